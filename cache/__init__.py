@@ -1,0 +1,14 @@
+"""Cache policies: which canvas rows go through the network each step, and where the other rows' keys and
+values come from. Every policy stores K/V after RoPE in one full-length store (spec `dkv_elastic_cache.md`
+section 2) and counts the rows it computed per layer, so cost is counted, never estimated."""
+from __future__ import annotations
+
+from dllm.params import Registry
+
+CACHES = Registry("cache")
+register = CACHES.register
+
+from .base import Cache, KVStore, PassThrough  # noqa: E402
+from . import blockwise  # noqa: E402,F401  (registers none/prefix/dual)
+
+__all__ = ["CACHES", "Cache", "KVStore", "PassThrough", "register"]

@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from dllm.params import Params
+
+
+class PassThrough:
+    """No storage: the active rows are the only keys. Counts rows computed per layer."""
+
+    def __init__(self, n_layers: int):
+        self.rows_per_layer = [0] * n_layers
+        self.rows: slice = slice(None)
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        self.rows_per_layer[layer] += k.shape[0] * k.shape[2]
+        return k, v
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+
+class KVStore(PassThrough):
+    """Per-layer post-RoPE K/V of the whole canvas, `[B, Hkv, L, D]`, written in place at the active rows.
+
+    A row that is not active keeps the value written the last time it was computed."""
+
+    def __init__(self, n_layers: int, batch: int, kv_heads: int, length: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        super().__init__(n_layers)
+        shape = (batch, kv_heads, length, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        super().update(layer, k, v)
+        self.k[layer][:, :, self.rows] = k
+        self.v[layer][:, :, self.rows] = v
+        return self.k[layer], self.v[layer]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+@dataclass
+class Cache(Params):
+    """A cache policy. `active_rows` picks the canvas rows computed at a step of a block; all other rows
+    are read from the store. Subclasses set `stores_kv = False` when nothing needs storing."""
+
+    stores_kv: ClassVar[bool] = True
+
+    def new_kv(self, model, batch: int, length: int) -> PassThrough:
+        cfg = model.config
+        if not self.stores_kv:
+            return PassThrough(cfg.n_layers)
+        return KVStore(cfg.n_layers, batch, cfg.n_kv_heads, length, cfg.head_dim, model.dtype, model.device)
+
+    def active_rows(self, step: int, start: int, end: int, length: int, shift: int) -> slice:
+        """Rows to compute at `step` (0 = first step) of the block `[start, end)` of a canvas of `length`;
+        `shift` = 1 for AR-shifted models, whose position i is scored by the hidden state of row i-1."""
+        raise NotImplementedError

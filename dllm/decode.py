@@ -1,0 +1,245 @@
+"""The decode loop: one for every sampler, cache and model.
+
+canvas `[pad | prompt | MASK x gen_length]` (left-padded batch) -> blocks left to right -> per step: the cache
+picks the rows to compute, the model returns aligned logits of the block, the sampler commits tokens -> stop
+when every row has finished (a stop token committed with nothing masked before it).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import cache as caches
+import samplers as samplers_mod
+from cache import Cache
+from samplers import Sampler, StepContext
+
+from .errors import DllmError
+from .models import DiffusionLM
+
+
+@dataclass
+class Stats:
+    """Counted by the loop and the cache, never estimated."""
+
+    nfe: int = 0  # forwards (every model call)
+    full_forwards: int = 0  # forwards that recomputed the whole canvas
+    gen_tokens: int = 0  # tokens committed by the sampler (filler after a finished answer excluded)
+    seconds: float = 0.0
+    rows_per_layer: list[int] = field(default_factory=list)  # token rows computed per layer (batch summed)
+    cache_bytes: int = 0  # bytes held by the K/V store
+
+    @property
+    def tpf(self) -> float:
+        """Tokens per forward, per sequence."""
+        return self.gen_tokens / max(self.nfe, 1) / max(self.batch, 1)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.gen_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    batch: int = 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "tpf": self.tpf, "tokens_per_second": self.tokens_per_second}
+
+
+@dataclass
+class Canvas:
+    """A left-padded batch canvas and what stays fixed while decoding it."""
+
+    tokens: Tensor  # [B, L]
+    positions: Tensor  # [B, L] RoPE positions: real tokens counted from 0 in every row
+    key_mask: Tensor | None  # [B, 1, 1, L] bool, None when nothing is padded
+    prompt_length: int
+
+    @classmethod
+    def build(cls, model: DiffusionLM, prompts: list[list[int]], gen_length: int) -> "Canvas":
+        cfg = model.config
+        if not prompts:
+            raise DllmError("no prompts given; pass at least one prompt")
+        if any(len(p) == 0 for p in prompts):
+            raise DllmError("a prompt is empty; every prompt needs at least one token")
+        width = max(map(len, prompts))
+        length = width + gen_length
+        if length > cfg.max_length:
+            raise DllmError(f"prompt ({width} tokens) + gen_length ({gen_length}) = {length} exceeds the model's "
+                            f"context of {cfg.max_length}; shorten the prompt or lower gen_length")
+        tokens = torch.full((len(prompts), length), cfg.pad_id, dtype=torch.long)
+        real = torch.ones((len(prompts), length), dtype=torch.bool)
+        for row, ids in enumerate(prompts):
+            tokens[row, width - len(ids):width] = torch.tensor(ids, dtype=torch.long)
+            real[row, :width - len(ids)] = False
+        tokens[:, width:] = cfg.mask_id
+        positions = (real.long().cumsum(1) - 1).clamp(min=0)
+        key_mask = None if real.all() else real[:, None, None, :]
+        device = model.device
+        return cls(tokens.to(device), positions.to(device), None if key_mask is None else key_mask.to(device), width)
+
+
+def check_lengths(gen_length: int, block_length: int, steps: int | None) -> int:
+    """Validate the block layout; return steps per block."""
+    if gen_length < 1 or block_length < 1:
+        raise DllmError(f"gen_length ({gen_length}) and block_length ({block_length}) must be positive")
+    if gen_length % block_length:
+        raise DllmError(f"gen_length ({gen_length}) must be a multiple of block_length ({block_length}); "
+                        f"e.g. gen_length {gen_length // block_length * block_length or block_length} "
+                        f"or block_length {gen_length}")
+    blocks = gen_length // block_length
+    steps = gen_length if steps is None else steps
+    if steps < blocks or steps > gen_length or steps % blocks:
+        raise DllmError(f"steps ({steps}) must be a multiple of the number of blocks ({blocks}) between {blocks} "
+                        f"and gen_length ({gen_length})")
+    return steps // blocks
+
+
+def _finish_rows(canvas: Canvas, finished: Tensor, cfg) -> Tensor:
+    """Mark rows whose answer is complete (a stop token with nothing masked before it) and write the filler
+    into their remaining masks. Returns the updated `finished`."""
+    gen = canvas.tokens[:, canvas.prompt_length:]
+    stops = torch.isin(gen, torch.tensor(cfg.stop_ids, device=gen.device))
+    first = stops.int().argmax(1, keepdim=True)
+    masked = gen == cfg.mask_id
+    masks_before = masked.long().cumsum(1).gather(1, first)[:, 0]
+    done = stops.any(1) & (masks_before == 0)
+    after = torch.arange(gen.shape[1], device=gen.device)[None] > first
+    gen.masked_fill_(done[:, None] & after & masked, cfg.filler_id)
+    return finished | done
+
+
+@torch.no_grad()
+def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache: Cache, gen_length: int,
+           block_length: int, steps: int | None = None, seed: int = 0, stop_early: bool = True,
+           trace: bool = False) -> tuple[Canvas, Stats, list[dict] | None]:
+    """Decode token-id prompts; returns the final canvas, statistics and (optionally) a per-step trace."""
+    cfg = model.config
+    if cfg.pad_id == cfg.mask_id:
+        raise DllmError("the model's pad id equals its mask id; fix pad_token_id in config.json")
+    steps_per_block = check_lengths(gen_length, block_length, steps)
+    canvas = Canvas.build(model, prompts, gen_length)
+    batch, length = canvas.tokens.shape
+    kv = cache.new_kv(model, batch, length)
+    generator = torch.Generator(device=model.device).manual_seed(seed)
+    finished = torch.zeros(batch, dtype=torch.bool, device=model.device)
+    stats, steps_trace = Stats(batch=batch), [] if trace else None
+    committed = torch.zeros((), dtype=torch.long, device=model.device)
+    shift = cfg.logit_shift
+    start_time = time.perf_counter()
+    for block, start in enumerate(range(canvas.prompt_length, length, block_length)):
+        end = start + block_length
+        candidates = torch.arange(start, end, device=model.device)
+        step = 0
+        while True:
+            eligible = (canvas.tokens[:, start:end] == cfg.mask_id) & ~finished[:, None]
+            if not eligible.any():
+                break
+            rows = cache.active_rows(step, start, end, length, shift)
+            kv.rows = rows
+            key_mask = canvas.key_mask
+            if key_mask is not None and not cache.stores_kv:
+                key_mask = key_mask[..., rows]
+            logit_rows = (candidates - shift - rows.start).expand(batch, -1)
+            logits = model.run(canvas.tokens[:, rows], canvas.positions[:, rows], key_mask, kv, logit_rows)
+            logits[..., cfg.mask_id] = float("-inf")  # a committed position must never stay masked
+            ctx = StepContext(logits, eligible, candidates, canvas.tokens, step, steps_per_block, block, generator)
+            out = sampler.step(ctx)
+            commit = out.mask & eligible
+            if not torch.equal(commit.any(1), eligible.any(1)):
+                raise DllmError(f"sampler {sampler.name!r} committed nothing for an unfinished row at block "
+                                f"{block} step {step}; a sampler must commit at least one position per row")
+            canvas.tokens[:, start:end] = torch.where(commit, out.tokens, canvas.tokens[:, start:end])
+            stats.nfe += 1
+            stats.full_forwards += int(rows.stop - rows.start == length)
+            committed += commit.sum()
+            if trace:
+                steps_trace.append(_trace_step(block, step, rows, candidates, commit, out, logits))
+            if stop_early:
+                finished = _finish_rows(canvas, finished, cfg)
+            step += 1
+        if finished.all():
+            break
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+    stats.seconds = time.perf_counter() - start_time
+    stats.gen_tokens = int(committed)
+    stats.rows_per_layer = list(kv.rows_per_layer)
+    stats.cache_bytes = kv.nbytes
+    return canvas, stats, steps_trace
+
+
+def _trace_step(block, step, rows, candidates, commit, out, logits) -> dict:
+    top2 = torch.softmax(logits.double(), -1).topk(2, dim=-1).values
+    gap = top2[..., 0] - top2[..., 1]
+    return {"block": block, "step": step, "rows": [rows.start, rows.stop],
+            "commits": [[{"position": int(candidates[c]), "token": int(out.tokens[b, c]),
+                          "confidence": float(out.confidence[b, c]), "top2_gap": float(gap[b, c])}
+                         for c in commit[b].nonzero()[:, 0].tolist()] for b in range(commit.shape[0])]}
+
+
+@dataclass
+class Generation:
+    texts: list[str]
+    token_ids: list[list[int]]  # generated ids of each row, cut before the first stop token
+    sequences: Tensor  # the final canvas [B, L], prompt included
+    stats: Stats
+    sampler: dict[str, Any]
+    cache: dict[str, Any]
+    trace: list[dict] | None = None
+
+
+def encode_prompts(tokenizer, prompts, chat: bool | None) -> list[list[int]]:
+    """Token ids of each prompt; `chat` wraps it as a user turn with the tokenizer's chat template."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if chat is None:
+        chat = getattr(tokenizer, "chat_template", None) is not None
+    if chat and getattr(tokenizer, "chat_template", None) is None:
+        raise DllmError("this tokenizer has no chat template; pass chat=False (--no-chat)")
+    out = []
+    for p in prompts:
+        if not isinstance(p, str):  # already token ids
+            out.append([int(t) for t in p])
+            continue
+        text = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                             tokenize=False) if chat else p
+        out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return out
+
+
+def split_params(sampler: str | Sampler, cache: str | Cache, params: dict[str, Any]):
+    """Route keyword parameters to the sampler or the cache by name; unknown names are an error."""
+    sampler_cls = type(sampler) if isinstance(sampler, Sampler) else samplers_mod.SAMPLERS.get(sampler)
+    cache_cls = type(cache) if isinstance(cache, Cache) else caches.CACHES.get(cache)
+    s_args = {k: v for k, v in params.items() if k in sampler_cls.param_names()}
+    c_args = {k: v for k, v in params.items() if k in cache_cls.param_names() and k not in s_args}
+    unknown = sorted(set(params) - set(s_args) - set(c_args))
+    if unknown:
+        raise DllmError(f"unknown parameter {unknown[0]!r} for sampler {sampler_cls.name!r} and cache "
+                        f"{cache_cls.name!r}; sampler takes {', '.join(sampler_cls.param_names())}, cache takes "
+                        f"{', '.join(cache_cls.param_names()) or 'nothing'}")
+    return samplers_mod.SAMPLERS.create(sampler, **s_args), caches.CACHES.create(cache, **c_args)
+
+
+def generate(model: DiffusionLM, tokenizer, prompts, sampler: str | Sampler = "low_confidence",
+             cache: str | Cache = "none", gen_length: int = 128, block_length: int = 32, steps: int | None = None,
+             seed: int = 0, chat: bool | None = None, stop_early: bool = True, trace: bool = False,
+             **params: Any) -> Generation:
+    """Generate answers for a batch of prompts (strings, or lists of token ids).
+
+    `params` go to the sampler or the cache by name (e.g. `threshold=0.9`, `temperature=0.5`,
+    `refresh_every=4`). steps defaults to gen_length (one token per step for schedule-driven samplers)."""
+    sampler, cache = split_params(sampler, cache, params)
+    ids = encode_prompts(tokenizer, prompts, chat)
+    canvas, stats, steps_trace = decode(model, ids, sampler, cache, gen_length, block_length, steps, seed,
+                                        stop_early, trace)
+    cfg = model.config
+    token_ids, texts = [], []
+    for row in canvas.tokens[:, canvas.prompt_length:].tolist():
+        cut = next((i for i, t in enumerate(row) if t in cfg.stop_ids), len(row))
+        token_ids.append(row[:cut])
+        texts.append(tokenizer.decode([t for t in row[:cut] if t < len(tokenizer)], skip_special_tokens=True))
+    return Generation(texts, token_ids, canvas.tokens, stats, sampler.config(), cache.config(), steps_trace)

@@ -1,0 +1,2 @@
+class DllmError(ValueError):
+    """Bad input from a user: the message is one line that names the fix."""

@@ -1,0 +1,164 @@
+"""The bidirectional pre-norm transformer shared by LLaDA and Dream.
+
+Both networks are Llama-shaped (RMSNorm, rotate-half RoPE, SwiGLU, untied head) run without a causal mask;
+they differ only in q/k/v bias, GQA and Dream's AR-style logit shift (spec `models.md` sections 3-4). The
+forward computes only the *active* canvas rows chosen by the cache policy, lets the cache supply keys and
+values of every other row (`KVAccess`), and projects the head only on the rows whose logits are needed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture and special ids of one network (read from `config.json` or a named preset)."""
+
+    arch: str  # "llada" | "dream"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    rms_norm_eps: float
+    rope_theta: float
+    qkv_bias: bool
+    logit_shift: int  # 0: logits[i] predict token i (LLaDA); 1: hidden i-1 predicts token i (Dream)
+    mask_id: int
+    pad_id: int
+    stop_ids: tuple[int, ...]  # a row's answer ends at the first of these
+    filler_id: int  # written after the answer once a row has finished
+    max_length: int  # longest canvas the model is meant for
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.n_heads
+
+    def num_parameters(self) -> int:
+        d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        kv = self.n_kv_heads * self.head_dim
+        attn = d * d * 2 + 2 * d * kv + (d + 2 * kv if self.qkv_bias else 0)
+        return 2 * v * d + d + self.n_layers * (attn + 3 * d * f + 2 * d)
+
+
+class KVAccess(Protocol):
+    """What a cache gives the forward: per layer, write the fresh K/V of the active rows and return the
+    keys/values the active queries attend to (post-RoPE, `[B, Hkv, Lk, D]`)."""
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.to(x.dtype) * self.weight
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half RoPE in fp32 (LLaDA's `rope_full_precision`); x `[B, H, A, D]`, cos/sin `[B, 1, A, D]`."""
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, kv = cfg.hidden_size, cfg.n_kv_heads * cfg.head_dim
+        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
+        self.attn_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.q_proj = nn.Linear(d, d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(d, kv, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(d, kv, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(d, d, bias=False)
+        self.mlp_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.gate_proj = nn.Linear(d, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(d, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, d, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, key_mask: Tensor | None,
+                kv: KVAccess | None, layer: int) -> Tensor:
+        h = self.attn_norm(x)
+        q = rearrange(self.q_proj(h), "b a (h d) -> b h a d", h=self.n_heads)
+        k = rearrange(self.k_proj(h), "b a (h d) -> b h a d", h=self.n_kv_heads)
+        v = rearrange(self.v_proj(h), "b a (h d) -> b h a d", h=self.n_kv_heads)
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        if kv is not None:
+            k, v = kv.update(layer, k, v)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask,
+                                           enable_gqa=self.n_heads != self.n_kv_heads)
+        x = x + self.o_proj(rearrange(o, "b h a d -> b a (h d)"))
+        h = self.mlp_norm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class DiffusionLM(nn.Module):
+    """A LLaDA or Dream network. `forward(input_ids)` returns position-aligned logits for the whole canvas;
+    the decode loop uses `run` to compute only active rows against a cache."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        inv_freq = cfg.rope_theta ** (-torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def rope_tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        angles = positions.float()[..., None] * self.inv_freq
+        angles = torch.cat((angles, angles), dim=-1)[:, None]
+        return angles.cos(), angles.sin()
+
+    def run(self, tokens: Tensor, positions: Tensor, key_mask: Tensor | None, kv: KVAccess | None,
+            logit_rows: Tensor | None = None) -> Tensor:
+        """Push the active rows through the network.
+
+        tokens, positions: `[B, A]` ids and RoPE positions of the active rows. key_mask: bool
+        `[B, 1, 1, Lk]` over the keys the queries see (None = all visible). kv: the cache's key/value supply
+        (None = the active rows are the only keys). logit_rows: `[B, C]` indices into the active rows whose
+        hidden states go through the head (None = all). Returns raw (unshifted) logits `[B, C, V]`.
+        """
+        x = self.embed(tokens)
+        cos, sin = self.rope_tables(positions)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, key_mask, kv, i)
+        if logit_rows is not None:
+            x = x.gather(1, logit_rows[..., None].expand(-1, -1, x.shape[-1]))
+        return self.lm_head(self.norm(x))
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """Logits `[B, L, V]` aligned to positions (logits[:, i] scores token i; Dream's shift applied).
+        attention_mask `[B, L]` (1 = real token) marks left padding; positions count real tokens only."""
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
+        attention_mask = attention_mask.bool()
+        positions = (attention_mask.long().cumsum(1) - 1).clamp(min=0)
+        key_mask = None if attention_mask.all() else attention_mask[:, None, None, :]
+        logits = self.run(input_ids, positions, key_mask, kv=None)
+        if self.config.logit_shift:
+            logits = torch.cat((logits[:, :1], logits[:, :-1]), dim=1)
+        return logits

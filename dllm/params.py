@@ -1,0 +1,123 @@
+"""Typed, validated parameters and name registries for samplers and caches.
+
+A policy is a dataclass whose fields are declared with `param(default, doc, ge=..., ...)`; values given as
+strings (CLI `KEY=VALUE`) are converted by the field's type, and every bad value is a one-line `DllmError`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, ClassVar
+
+from .errors import DllmError
+
+
+def param(default: Any, doc: str, *, ge: float | None = None, le: float | None = None, gt: float | None = None,
+          lt: float | None = None, choices: tuple | None = None) -> Any:
+    return dataclasses.field(default=default, metadata=dict(doc=doc, ge=ge, le=le, gt=gt, lt=lt, choices=choices))
+
+
+def _convert(value: Any, hint: Any, where: str) -> Any:
+    """Convert `value` to the annotated type (`float`, `int`, `bool`, `str`, or `X | None`)."""
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union \
+        else (hint,)
+    if value is None or (isinstance(value, str) and value.lower() == "none"):
+        if type(None) in options:
+            return None
+        raise DllmError(f"{where} cannot be None; give a value")
+    kind = next(t for t in options if t is not type(None))
+    try:
+        if kind is bool:
+            if isinstance(value, str):
+                if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError
+                return value.lower() in ("true", "1", "yes")
+            return bool(value)
+        if kind is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        if kind is float:
+            return float(value)
+        return kind(value)
+    except (TypeError, ValueError):
+        raise DllmError(f"{where} must be {kind.__name__}, got {value!r}") from None
+
+
+@dataclasses.dataclass
+class Params:
+    """Base of every sampler and cache: validates its fields after construction."""
+
+    kind: ClassVar[str] = "policy"
+    name: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            where = f"{self.kind} {self.name!r} parameter {f.name}"
+            value = _convert(getattr(self, f.name), hints[f.name], where)
+            setattr(self, f.name, value)
+            m = f.metadata
+            if value is None or not m:
+                continue
+            for key, ok, word in (("ge", lambda v, b: v >= b, ">="), ("le", lambda v, b: v <= b, "<="),
+                                  ("gt", lambda v, b: v > b, ">"), ("lt", lambda v, b: v < b, "<")):
+                if m.get(key) is not None and not ok(value, m[key]):
+                    raise DllmError(f"{where}={value} is out of range; it must be {word} {m[key]}")
+            if m.get("choices") and value not in m["choices"]:
+                raise DllmError(f"{where}={value!r} is not one of {', '.join(map(str, m['choices']))}")
+
+    def config(self) -> dict[str, Any]:
+        return {"name": self.name, **dataclasses.asdict(self)}
+
+    @classmethod
+    def describe(cls) -> dict[str, Any]:
+        hints = typing.get_type_hints(cls)
+        doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
+        return {"name": cls.name, "doc": doc, "params": [
+            {"name": f.name, "type": str(hints[f.name]).replace("<class '", "").replace("'>", ""),
+             "default": f.default, "doc": f.metadata.get("doc", "")} for f in dataclasses.fields(cls)]}
+
+    @classmethod
+    def param_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+
+class Registry:
+    """Name -> policy class, with creation from keyword arguments that reports every mistake in one line."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.classes: dict[str, type[Params]] = {}
+
+    def register(self, name: str):
+        def add(cls: type[Params]) -> type[Params]:
+            if name in self.classes and self.classes[name] is not cls:
+                raise DllmError(f"{self.kind} {name!r} is already registered; pick another name")
+            cls.name, cls.kind = name, self.kind
+            self.classes[name] = cls
+            return cls
+        return add
+
+    def get(self, name: str) -> type[Params]:
+        if name not in self.classes:
+            raise DllmError(f"unknown {self.kind} {name!r}; choose one of {', '.join(self.classes)} "
+                            f"(`dllm list {self.kind}s` shows their parameters)")
+        return self.classes[name]
+
+    def create(self, name: str | Params, **params: Any) -> Params:
+        if isinstance(name, Params):
+            if params:
+                raise DllmError(f"parameters {', '.join(params)} given with a ready {self.kind} object; "
+                                f"set them on the object instead")
+            return name
+        cls = self.get(name)
+        unknown = sorted(set(params) - set(cls.param_names()))
+        if unknown:
+            valid = ", ".join(cls.param_names()) or "none"
+            raise DllmError(f"unknown parameter {unknown[0]!r} for {self.kind} {name!r}; valid: {valid}")
+        return cls(**params)
+
+    def __iter__(self):
+        return iter(self.classes.values())

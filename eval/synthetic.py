@@ -1,0 +1,213 @@
+"""Seeded synthetic tasks for training and evaluating tiny masked-diffusion LMs.
+
+Families, roughly from easy-to-parallelize to dependency-heavy:
+
+- ``copy``     ``copy: k3x9a``        -> ``#### k3x9a``
+- ``reverse``  ``reverse: abc12``     -> ``#### 21cba``
+- ``sort``     ``sort: 42,7,19,3``    -> ``#### 3,7,19,42``
+- ``count``    ``count a: banana1``   -> ``#### 3``
+- ``add``      ``add: 457+68``        -> ``7+8+0=15 5+6+1=12 4+0+1=05 #### 525``
+
+``add`` writes its worked steps least-significant digit first, one fixed-width step per column:
+``a+b+c=ss`` where ``c`` is the carry in and ``ss`` the two-digit column sum, whose first digit is the
+carry out. A missing digit of the shorter operand is written as 0.
+
+Every answer ends GSM8K-style with ``#### <final answer>``. Note that ``sort`` answers contain commas:
+score them with :func:`extract_answer`, not with an extractor that deletes commas from numbers.
+"""
+
+from __future__ import annotations
+
+import random
+import string
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+FAMILIES: tuple[str, ...] = ("copy", "reverse", "sort", "count", "add")
+
+#: Every character that can occur in a prompt or an answer.
+CHARSET: str = string.ascii_lowercase + string.digits + " #+,:="
+
+#: Exact maxima over all families: the longest prompt is ``sort`` with eight 2-digit numbers (29), the
+#: longest answer and prompt+answer are ``add`` with two 4-digit operands and a carry out (46 and 60).
+MAX_PROMPT_CHARS: int = 29
+MAX_ANSWER_CHARS: int = 46
+MAX_TOTAL_CHARS: int = 60
+
+#: Default sizes per family.
+TEST_PER_FAMILY: int = 200
+TRAIN_PER_FAMILY: int = 10_000
+#: The test stream reserves this many prompts per family; train never contains any of them,
+#: and a test split can be at most this large.
+TEST_RESERVED: int = 1_000
+
+SPLITS: tuple[str, ...] = ("train", "test")
+ANSWER_MARK = "####"
+
+_ALNUM = string.ascii_lowercase + string.digits
+
+
+@dataclass(frozen=True)
+class Example:
+    """One prompt/answer pair; ``answer`` ends with ``#### <final answer>``."""
+
+    family: str
+    prompt: str
+    answer: str
+
+    @property
+    def final_answer(self) -> str:
+        """The text after the last ``####`` of the answer."""
+        final = extract_answer(self.answer)
+        assert final is not None
+        return final
+
+
+def extract_answer(text: str) -> str | None:
+    """The text after the last ``####``, stripped; None if there is no ``####``."""
+    head, mark, tail = text.rpartition(ANSWER_MARK)
+    if not mark:
+        return None
+    return tail.strip()
+
+
+def score(example: Example, generated_text: str) -> bool:
+    """Exact match of the final answer extracted from ``generated_text``."""
+    return extract_answer(generated_text) == example.final_answer
+
+
+def _final(body: str, final: str) -> str:
+    return f"{body} {ANSWER_MARK} {final}" if body else f"{ANSWER_MARK} {final}"
+
+
+def _alnum(rng: random.Random, lo: int, hi: int) -> str:
+    return "".join(rng.choices(_ALNUM, k=rng.randint(lo, hi)))
+
+
+def _copy(rng: random.Random) -> Example:
+    s = _alnum(rng, 4, 12)
+    return Example("copy", f"copy: {s}", _final("", s))
+
+
+def _reverse(rng: random.Random) -> Example:
+    s = _alnum(rng, 4, 12)
+    return Example("reverse", f"reverse: {s}", _final("", s[::-1]))
+
+
+def _sort(rng: random.Random) -> Example:
+    xs = [rng.randrange(100) for _ in range(rng.randint(4, 8))]
+    shown = ",".join(map(str, xs))
+    return Example("sort", f"sort: {shown}", _final("", ",".join(map(str, sorted(xs)))))
+
+
+def _count(rng: random.Random) -> Example:
+    target = rng.choice(string.ascii_lowercase)
+    length = rng.randint(4, 12)
+    k = rng.randint(0, min(5, length))
+    others = _ALNUM.replace(target, "")
+    chars = [target] * k + rng.choices(others, k=length - k)
+    rng.shuffle(chars)
+    return Example("count", f"count {target}: {''.join(chars)}", _final("", str(k)))
+
+
+def add_steps(a: int, b: int) -> list[str]:
+    """Column steps of ``a + b``, least-significant digit first, as ``x+y+c=ss``."""
+    da, db = str(a)[::-1], str(b)[::-1]
+    steps, carry = [], 0
+    for i in range(max(len(da), len(db))):
+        x = int(da[i]) if i < len(da) else 0
+        y = int(db[i]) if i < len(db) else 0
+        s = x + y + carry
+        steps.append(f"{x}+{y}+{carry}={s:02d}")
+        carry = s // 10
+    return steps
+
+
+def _add(rng: random.Random) -> Example:
+    da, db = rng.randint(2, 4), rng.randint(2, 4)
+    a = rng.randrange(10 ** (da - 1), 10**da)
+    b = rng.randrange(10 ** (db - 1), 10**db)
+    return Example("add", f"add: {a}+{b}", _final(" ".join(add_steps(a, b)), str(a + b)))
+
+
+_MAKERS: dict[str, Callable[[random.Random], Example]] = {
+    "copy": _copy,
+    "reverse": _reverse,
+    "sort": _sort,
+    "count": _count,
+    "add": _add,
+}
+assert tuple(_MAKERS) == FAMILIES
+
+
+def make_example(family: str, rng: random.Random) -> Example:
+    """Draw one example of ``family`` from ``rng``."""
+    _check_families([family])
+    return _MAKERS[family](rng)
+
+
+def _check_families(families: Sequence[str]) -> None:
+    unknown = [f for f in families if f not in _MAKERS]
+    if unknown:
+        raise ValueError(f"unknown family {unknown[0]!r}; use one of {', '.join(FAMILIES)}")
+
+
+def _rng(seed: int, split: str, family: str) -> random.Random:
+    # A str seed is hashed with SHA-512 by `random`, so streams are stable across runs and platforms.
+    return random.Random(f"dllm-synthetic/{seed}/{split}/{family}")
+
+
+def _test_stream(family: str, n: int, seed: int) -> list[Example]:
+    """The first ``n`` distinct test prompts of ``family``."""
+    rng, seen, out = _rng(seed, "test", family), set(), []
+    make = _MAKERS[family]
+    while len(out) < n:
+        ex = make(rng)
+        if ex.prompt not in seen:
+            seen.add(ex.prompt)
+            out.append(ex)
+    return out
+
+
+def reserved_test_prompts(seed: int = 0) -> set[str]:
+    """All prompts reserved for the test split (``TEST_RESERVED`` per family) for ``seed``."""
+    return {ex.prompt for f in FAMILIES for ex in _test_stream(f, TEST_RESERVED, seed)}
+
+
+def make_split(
+    split: str,
+    n_per_family: int | None = None,
+    seed: int = 0,
+    families: Sequence[str] | None = None,
+) -> list[Example]:
+    """Examples grouped by family (in ``families`` order, default all of ``FAMILIES``).
+
+    ``test`` holds distinct prompts, is deterministic for a seed, and a smaller test split is a prefix of a
+    larger one (default ``TEST_PER_FAMILY``, at most ``TEST_RESERVED``). ``train`` (default
+    ``TRAIN_PER_FAMILY``) may repeat prompts but never contains one of the reserved test prompts.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; use 'train' or 'test'")
+    fams = tuple(FAMILIES if families is None else families)
+    _check_families(fams)
+    if n_per_family is None:
+        n_per_family = TEST_PER_FAMILY if split == "test" else TRAIN_PER_FAMILY
+    if isinstance(n_per_family, bool) or not isinstance(n_per_family, int) or n_per_family < 0:
+        raise ValueError(f"n_per_family must be a non-negative int, got {n_per_family!r}")
+    if split == "test" and n_per_family > TEST_RESERVED:
+        raise ValueError(f"n_per_family={n_per_family} is above TEST_RESERVED={TEST_RESERVED}; ask for fewer")
+
+    out: list[Example] = []
+    for family in fams:
+        reserved = _test_stream(family, TEST_RESERVED, seed)
+        if split == "test":
+            out.extend(reserved[:n_per_family])
+            continue
+        banned = {ex.prompt for ex in reserved}
+        rng, make, count = _rng(seed, "train", family), _MAKERS[family], 0
+        while count < n_per_family:
+            ex = make(rng)
+            if ex.prompt not in banned:
+                out.append(ex)
+                count += 1
+    return out

@@ -1,0 +1,15 @@
+"""Samplers: which masked positions to commit at a step, and with which tokens.
+
+Every sampler is a small dataclass registered by name with one signature, `step(ctx) -> Commit`
+(k-diffusion style). Add your own with `@samplers.register("name")` on a `Sampler` subclass."""
+from __future__ import annotations
+
+from dllm.params import Registry
+
+SAMPLERS = Registry("sampler")
+register = SAMPLERS.register
+
+from .base import Commit, Sampler, StepContext  # noqa: E402
+from . import dream, fastdllm, llada  # noqa: E402,F401  (register the built-in samplers)
+
+__all__ = ["SAMPLERS", "Commit", "Sampler", "StepContext", "register"]

@@ -1,0 +1,74 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dllm.params import Params, param
+
+
+@dataclass
+class StepContext:
+    """What a sampler sees at one step. Candidates are the positions of the current block; logits are
+    already aligned to them (no sampler ever sees Dream's shift)."""
+
+    logits: Tensor  # [B, C, V] logits of the candidate positions
+    eligible: Tensor  # [B, C] bool: still masked and allowed to commit now
+    positions: Tensor  # [C] canvas positions of the candidates
+    canvas: Tensor  # [B, L] current tokens (read only)
+    step: int  # step index inside the block, from 0
+    steps: int  # step budget of this block (used by schedule-driven samplers)
+    block: int  # block index, from 0
+    generator: torch.Generator
+
+
+@dataclass
+class Commit:
+    mask: Tensor  # [B, C] bool: positions to commit (subset of ctx.eligible, >= 1 per row with any eligible)
+    tokens: Tensor  # [B, C] long: the token for each committed position
+    confidence: Tensor  # [B, C] float: the score the choice was made on (for traces)
+
+
+@dataclass
+class Sampler(Params):
+    """Base class. Subclasses implement `step`."""
+
+    temperature: float = param(0.0, "sampling temperature (0 = greedy)", ge=0.0)
+
+    def step(self, ctx: StepContext) -> Commit:
+        raise NotImplementedError
+
+
+def gumbel_argmax(logits: Tensor, temperature: float, generator: torch.Generator) -> Tensor:
+    """Sample from softmax(logits / T) as argmax(logits + T * Gumbel), in float64 (ML-GSAI/LLaDA
+    `add_gumbel_noise`; low-precision noise lowers the effective temperature). T = 0 is plain argmax and
+    draws no random numbers."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    u = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
+    gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
+    return (logits.double() + temperature * gumbel).argmax(-1)
+
+
+def token_probability(logits: Tensor, tokens: Tensor) -> Tensor:
+    """float64 softmax probability of `tokens` under the (noise-free) logits."""
+    return torch.softmax(logits.double(), dim=-1).gather(-1, tokens[..., None])[..., 0]
+
+
+def top_k_per_row(confidence: Tensor, eligible: Tensor, k: Tensor) -> Tensor:
+    """Commit the `k[b]` most confident eligible positions of each row; ties go to the lowest position."""
+    score = confidence.double().masked_fill(~eligible, float("-inf"))
+    order = score.sort(dim=1, descending=True, stable=True).indices
+    rank = torch.empty_like(order)
+    rank.scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
+    k = torch.minimum(k, eligible.sum(1))
+    return (rank < k[:, None]) & eligible
+
+
+def quota(ctx: StepContext) -> Tensor:
+    """LLaDA's linear schedule as a running quota: ceil(masks left / steps left), which reproduces
+    `get_num_transfer_tokens` (equal shares, the larger ones first); the last step takes the rest."""
+    left = ctx.eligible.sum(1)
+    steps_left = max(ctx.steps - ctx.step, 1)
+    return (left + steps_left - 1) // steps_left

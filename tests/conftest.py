@@ -1,0 +1,19 @@
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+sys.path.insert(0, str(ROOT))
+
+torch.set_num_threads(2)
+
+
+def shared_path(*parts: str) -> Path:
+    """A file under ../shared (tests only); skips the test when it is not there."""
+    p = SHARED.joinpath(*parts)
+    if not p.exists():
+        pytest.skip(f"{p} not available")
+    return p

@@ -1,0 +1,157 @@
+"""Native LLaDA/Dream equal transformers' Llama/Qwen2 on the same weights (spec models.md section 6)."""
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+import dllm
+from dllm.errors import DllmError
+from dllm.loading import load_weights, save_pretrained, weight_names
+from dllm.models import DiffusionLM, llada, dream
+from conftest import shared_path
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            tie_word_embeddings=False)
+
+
+def _randomize(module, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+
+
+# transformers Llama names -> official LLaDA names
+LLAMA_TO_LLADA = {
+    "model.embed_tokens.weight": "model.transformer.wte.weight",
+    "model.norm.weight": "model.transformer.ln_f.weight",
+    "lm_head.weight": "model.transformer.ff_out.weight",
+    "model.layers.{i}.input_layernorm.weight": "model.transformer.blocks.{i}.attn_norm.weight",
+    "model.layers.{i}.self_attn.q_proj.weight": "model.transformer.blocks.{i}.q_proj.weight",
+    "model.layers.{i}.self_attn.k_proj.weight": "model.transformer.blocks.{i}.k_proj.weight",
+    "model.layers.{i}.self_attn.v_proj.weight": "model.transformer.blocks.{i}.v_proj.weight",
+    "model.layers.{i}.self_attn.o_proj.weight": "model.transformer.blocks.{i}.attn_out.weight",
+    "model.layers.{i}.post_attention_layernorm.weight": "model.transformer.blocks.{i}.ff_norm.weight",
+    "model.layers.{i}.mlp.gate_proj.weight": "model.transformer.blocks.{i}.ff_proj.weight",
+    "model.layers.{i}.mlp.up_proj.weight": "model.transformer.blocks.{i}.up_proj.weight",
+    "model.layers.{i}.mlp.down_proj.weight": "model.transformer.blocks.{i}.ff_out.weight",
+}
+
+
+def _reference(arch):
+    if arch == "llada":
+        cfg = LlamaConfig(**TINY, num_key_value_heads=4, rms_norm_eps=1e-5, rope_theta=5e5, attention_bias=False,
+                          mlp_bias=False, attn_implementation="sdpa")
+        ref = LlamaForCausalLM(cfg)
+        hf = dict(model_type="llada", d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, mlp_hidden_size=96,
+                  vocab_size=128, embedding_size=128, rms_norm_eps=1e-5, rope_theta=5e5, mask_token_id=127,
+                  eos_token_id=126, pad_token_id=126)
+        rename = weight_names(LLAMA_TO_LLADA, 2)
+    else:
+        cfg = Qwen2Config(**TINY, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1e6, use_sliding_window=False,
+                          attn_implementation="sdpa")
+        ref = Qwen2ForCausalLM(cfg)
+        hf = dict(model_type="Dream", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=96, vocab_size=128, rms_norm_eps=1e-6, rope_theta=1e6,
+                  mask_token_id=127, eos_token_id=126, pad_token_id=126)
+        rename = None
+    _randomize(ref)
+    state = {(rename[k] if rename else k): v for k, v in ref.state_dict().items()}
+    return ref.eval(), hf, state
+
+
+def _write_checkpoint(path, hf, state):
+    from safetensors.torch import save_file
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(hf))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"))
+
+
+def _native(arch, hf, state, tmp_path):
+    mod = llada if arch == "llada" else dream
+    model = DiffusionLM(mod.config_from_hf(hf))
+    _write_checkpoint(tmp_path, hf, state)
+    load_weights(model, tmp_path, mod.WEIGHT_NAMES)
+    return model.eval()
+
+
+@pytest.mark.parametrize("arch", ["llada", "dream"])
+def test_logits_equal_transformers(arch, tmp_path):
+    ref, hf, state = _reference(arch)
+    model = _native(arch, hf, state, tmp_path)
+    ids = torch.randint(0, 120, (2, 12), generator=torch.Generator().manual_seed(1))
+    visible = torch.ones(2, 1, 12, 12, dtype=torch.bool)
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=visible).logits
+        causal = ref(input_ids=ids).logits
+        raw = model.run(ids, torch.arange(12).expand(2, 12), None, None)
+        aligned = model(ids)
+    assert (raw - want).abs().max() < 1e-4
+    assert (want - causal).abs().max() > 1e-2  # the all-visible mask took effect
+    if arch == "dream":  # aligned[i] = raw[i-1]
+        assert torch.equal(aligned[:, 1:], raw[:, :-1]) and torch.equal(aligned[:, 0], raw[:, 0])
+    else:
+        assert torch.equal(aligned, raw)
+
+
+@pytest.mark.parametrize("arch", ["llada", "dream"])
+def test_left_padding_matches_reference(arch, tmp_path):
+    ref, hf, state = _reference(arch)
+    model = _native(arch, hf, state, tmp_path)
+    ids = torch.randint(0, 120, (2, 10), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(2, 10, dtype=torch.bool)
+    mask[0, :3] = False
+    positions = (mask.long().cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=mask[:, None, None, :].expand(2, 1, 10, 10),
+                   position_ids=positions).logits
+        got = model.run(ids, positions, mask[:, None, None, :], None)
+        alone = model.run(ids[:1, 3:], torch.arange(7)[None], None, None)
+    assert (got[mask] - want[mask]).abs().max() < 1e-4
+    assert (got[0, 3:] - alone[0]).abs().max() < 1e-5  # a padded row equals the prompt alone
+
+
+def test_official_llada_names_load(tmp_path):
+    """A fake checkpoint with the real LLaDA-8B-Instruct config fields and tensor names (shrunk) loads."""
+    hf = json.loads(shared_path("data", "llada-8b-instruct", "config.json").read_text())
+    index = json.loads(shared_path("data", "llada-8b-instruct", "model.safetensors.index.json").read_text())
+    official = set(index["weight_map"])
+    hf.update(d_model=32, n_layers=2, n_heads=4, n_kv_heads=4, mlp_hidden_size=48, vocab_size=126464,
+              embedding_size=126464)
+    cfg = llada.config_from_hf(hf)
+    assert (cfg.mask_id, cfg.pad_id, cfg.rope_theta, cfg.rms_norm_eps) == (126336, 126081, 500000.0, 1e-5)
+    names = weight_names(llada.WEIGHT_NAMES, 32)
+    assert set(names) == official  # our table covers exactly the official 8B names
+    model = DiffusionLM(cfg)
+    _randomize(model)
+    ours_to_ckpt = {v: k for k, v in weight_names(llada.WEIGHT_NAMES, 2).items()}
+    _write_checkpoint(tmp_path, hf, {ours_to_ckpt[k]: v for k, v in model.state_dict().items() if k in ours_to_ckpt})
+    loaded = DiffusionLM(cfg)
+    load_weights(loaded, tmp_path, llada.WEIGHT_NAMES)
+    ids = torch.randint(0, 1000, (1, 6))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), model(ids))
+
+
+@pytest.mark.parametrize("preset,params", [("llada-8b", 8_015_581_184), ("dream-7b", 7_615_616_512)])
+def test_official_shapes(preset, params):
+    from dllm.models import PRESETS
+    assert PRESETS[preset].num_parameters() == params
+
+
+@pytest.mark.parametrize("preset", ["llada-tiny", "dream-tiny"])
+def test_save_and_load_roundtrip(preset, tmp_path):
+    model, tok = dllm.load(f"random:{preset}", seed=3)
+    save_pretrained(model, tok, tmp_path)
+    loaded, tok2 = dllm.load(str(tmp_path))
+    assert (loaded.config.mask_id, loaded.config.pad_id, loaded.config.arch) == \
+        (model.config.mask_id, model.config.pad_id, model.config.arch)
+    ids = torch.randint(0, 100, (1, 8))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), model(ids))
