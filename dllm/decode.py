@@ -8,18 +8,20 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-import cache as caches
+import cache as caches  # the policy packages import dllm.params, so only module objects are bound here
 import samplers as samplers_mod
-from cache import Cache
-from samplers import Sampler, StepContext
 
 from .errors import DllmError
 from .models import DiffusionLM
+
+if TYPE_CHECKING:
+    from cache import Cache
+    from samplers import Sampler
 
 
 @dataclass
@@ -145,7 +147,7 @@ def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache
             logit_rows = (candidates - shift - rows.start).expand(batch, -1)
             logits = model.run(canvas.tokens[:, rows], canvas.positions[:, rows], key_mask, kv, logit_rows)
             logits[..., cfg.mask_id] = float("-inf")  # a committed position must never stay masked
-            ctx = StepContext(logits, eligible, candidates, canvas.tokens, step, steps_per_block, block, generator)
+            ctx = samplers_mod.StepContext(logits, eligible, candidates, canvas.tokens, step, steps_per_block, block, generator)
             out = sampler.step(ctx)
             commit = out.mask & eligible
             if not torch.equal(commit.any(1), eligible.any(1)):
@@ -212,8 +214,8 @@ def encode_prompts(tokenizer, prompts, chat: bool | None) -> list[list[int]]:
 
 def split_params(sampler: str | Sampler, cache: str | Cache, params: dict[str, Any]):
     """Route keyword parameters to the sampler or the cache by name; unknown names are an error."""
-    sampler_cls = type(sampler) if isinstance(sampler, Sampler) else samplers_mod.SAMPLERS.get(sampler)
-    cache_cls = type(cache) if isinstance(cache, Cache) else caches.CACHES.get(cache)
+    sampler_cls = type(sampler) if isinstance(sampler, samplers_mod.Sampler) else samplers_mod.SAMPLERS.get(sampler)
+    cache_cls = type(cache) if isinstance(cache, caches.Cache) else caches.CACHES.get(cache)
     s_args = {k: v for k, v in params.items() if k in sampler_cls.param_names()}
     c_args = {k: v for k, v in params.items() if k in cache_cls.param_names() and k not in s_args}
     unknown = sorted(set(params) - set(s_args) - set(c_args))

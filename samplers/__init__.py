@@ -10,6 +10,6 @@ SAMPLERS = Registry("sampler")
 register = SAMPLERS.register
 
 from .base import Commit, Sampler, StepContext  # noqa: E402
-from . import dream, fastdllm, llada  # noqa: E402,F401  (register the built-in samplers)
+from . import llada, fastdllm, dream  # noqa: E402,F401,I001  (registers the built-in samplers, in this order)
 
 __all__ = ["SAMPLERS", "Commit", "Sampler", "StepContext", "register"]

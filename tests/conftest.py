@@ -17,3 +17,13 @@ def shared_path(*parts: str) -> Path:
     if not p.exists():
         pytest.skip(f"{p} not available")
     return p
+
+
+def random_model(preset: str, seed: int = 0, std: float = 0.2):
+    """A tiny random-weight model with logits sharp enough that argmax ties are rare."""
+    from dllm.loading import build_model, init_random
+    from dllm.models import PRESETS
+
+    model = build_model(PRESETS[preset], "cpu", torch.float32)
+    init_random(model, seed, std=std)
+    return model.eval()

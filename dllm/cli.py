@@ -1,0 +1,153 @@
+"""The `dllm` command: generate, chat, list. Flags use the Python keyword names."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import cache as caches
+import samplers as samplers_mod
+
+from .errors import DllmError
+
+DEFAULT_MODEL = "tiny-llada"
+
+
+def _key_values(pairs: list[str], flag: str) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise DllmError(f"{flag} expects KEY=VALUE, got {pair!r}")
+        out[key.strip().replace("-", "_")] = value.strip()
+    return out
+
+
+def _add_decoding_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, help="shipped name, random:<preset> or a local directory")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU)")
+    p.add_argument("--sampler", default="low_confidence")
+    p.add_argument("--sampler-arg", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--cache", default="none")
+    p.add_argument("--cache-arg", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--gen-length", type=int, default=64)
+    p.add_argument("--block-length", type=int, default=32)
+    p.add_argument("--steps", type=int, default=None, help="total steps (default: gen-length)")
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap prompts in the chat template (default: when the tokenizer has one)")
+
+
+def _policies(args) -> tuple[Any, Any]:
+    sampler_args = _key_values(args.sampler_arg, "--sampler-arg")
+    if args.temperature is not None:
+        sampler_args["temperature"] = args.temperature
+    sampler = samplers_mod.SAMPLERS.create(args.sampler, **sampler_args)
+    cache = caches.CACHES.create(args.cache, **_key_values(args.cache_arg, "--cache-arg"))
+    return sampler, cache
+
+
+def _generate(args) -> int:
+    import dllm
+
+    prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not prompts:
+        raise DllmError("no prompt given; pass PROMPT arguments or pipe prompts on stdin, one per line")
+    sampler, cache = _policies(args)
+    model, tok = dllm.load(args.model, device=args.device, dtype=args.dtype)
+    out = dllm.generate(model, tok, prompts, sampler=sampler, cache=cache, gen_length=args.gen_length,
+                        block_length=args.block_length, steps=args.steps, seed=args.seed, chat=args.chat,
+                        trace=args.trace is not None)
+    if args.trace:
+        with open(args.trace, "w") as f:
+            for record in out.trace:
+                f.write(json.dumps(record) + "\n")
+    stats = out.stats.as_dict()
+    if args.json:
+        print(json.dumps({"outputs": [{"text": t, "token_ids": ids} for t, ids in zip(out.texts, out.token_ids)],
+                          "stats": stats, "sampler": out.sampler, "cache": out.cache}))
+    else:
+        for text in out.texts:
+            print(text)
+        print(f"[{stats['nfe']} forwards, {stats['tpf']:.2f} tokens/forward, {stats['gen_tokens']} tokens, "
+              f"{stats['seconds']:.2f} s, {stats['tokens_per_second']:.1f} tokens/s]", file=sys.stderr)
+    return 0
+
+
+def _chat(args) -> int:
+    """A multi-turn chat on stdin/stdout; each turn decodes the whole conversation so far."""
+    import dllm
+    from .decode import decode
+
+    sampler, cache = _policies(args)
+    model, tok = dllm.load(args.model, device=args.device, dtype=args.dtype)
+    if getattr(tok, "chat_template", None) is None:
+        raise DllmError(f"{args.model} has no chat template; use `dllm generate --no-chat`")
+    messages: list[dict[str, str]] = []
+    print("chat with", args.model, "(empty line to quit)", file=sys.stderr)
+    for line in sys.stdin:
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line.strip()})
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        canvas, stats, _ = decode(model, [ids], sampler, cache, args.gen_length, args.block_length, args.steps,
+                                  args.seed)
+        row = canvas.tokens[0, canvas.prompt_length:].tolist()
+        row = row[:next((i for i, t in enumerate(row) if t in model.config.stop_ids), len(row))]
+        answer = tok.decode(row, skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": answer})
+        print(answer, flush=True)
+    return 0
+
+
+def _list(args) -> int:
+    if args.what == "models":
+        from .loading import available_models
+        entries = [{"name": m} for m in available_models()]
+    else:
+        registry = samplers_mod.SAMPLERS if args.what == "samplers" else caches.CACHES
+        entries = [cls.describe() for cls in registry]
+    if args.json:
+        print(json.dumps(entries, default=str))
+        return 0
+    for e in entries:
+        print(e["name"] + (f": {e['doc']}" if e.get("doc") else ""))
+        for p in e.get("params", []):
+            print(f"    {p['name']} ({p['type']}, default {p['default']}): {p['doc']}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="dllm", description="Fast parallel decoding for diffusion LLMs")
+    sub = ap.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="decode prompts (arguments or stdin, one per line)")
+    g.add_argument("prompts", nargs="*", metavar="PROMPT")
+    _add_decoding_flags(g)
+    g.add_argument("--json", action="store_true", help="print outputs and statistics as JSON")
+    g.add_argument("--trace", metavar="FILE", help="write a JSON line per step (commits, confidences, gaps)")
+    g.set_defaults(run=_generate)
+    c = sub.add_parser("chat", help="multi-turn chat on stdin/stdout")
+    _add_decoding_flags(c)
+    c.set_defaults(run=_chat)
+    ls = sub.add_parser("list", help="samplers, caches or models, with parameters and defaults")
+    ls.add_argument("what", choices=("samplers", "caches", "models"))
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(run=_list)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except DllmError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

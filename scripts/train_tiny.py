@@ -1,0 +1,209 @@
+"""Train a tiny LLaDA or Dream on the synthetic task suite with the masked-diffusion SFT objective.
+
+LLaDA SFT (arXiv 2502.09992, section 2.3): per sequence t ~ U(eps, 1); every answer position (the answer, its
+end-of-turn token and the end-of-text padding up to the answer length) is masked with probability t; the prompt is
+never masked; loss = sum over masked positions of CE / t, divided by the answer length. Dream trains the same way
+through its shifted logits (hidden i-1 predicts token i), which `DiffusionLM.run` handles via `logit_rows`.
+
+    python scripts/train_tiny.py --arch llada --out dllm/checkpoints/tiny-llada --steps 4000
+    python scripts/train_tiny.py --arch dream --out dllm/checkpoints/tiny-dream --steps 4000 --device cuda
+
+Seeded and resumable: the run state (weights, optimizer moments, step) is saved as safetensors + JSON under
+`--state` (default `runs/train-ARCH`) every `--save-every` steps and picked up again when the same command is rerun.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dllm.decode import decode  # noqa: E402
+from dllm.loading import build_model, init_random, save_pretrained  # noqa: E402
+from dllm.models import ModelConfig  # noqa: E402
+from dllm.tokenizer import SPECIAL_TOKENS, build_tokenizer  # noqa: E402
+from eval.synthetic import CHARSET, FAMILIES, make_split, score  # noqa: E402
+import cache as caches  # noqa: E402
+import samplers as samplers_mod  # noqa: E402
+
+END_OF_TURN = {"llada": "<|eot_id|>", "dream": "<|im_end|>"}
+
+
+def model_config(arch: str, tok, size: dict) -> ModelConfig:
+    eos, eot = tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids(END_OF_TURN[arch])
+    return ModelConfig(arch=arch, vocab_size=len(tok), hidden_size=size["d"], intermediate_size=size["ff"],
+                       n_layers=size["layers"], n_heads=size["heads"], n_kv_heads=size["kv_heads"],
+                       rms_norm_eps=1e-5 if arch == "llada" else 1e-6,
+                       rope_theta=500000.0 if arch == "llada" else 1000000.0, qkv_bias=arch == "dream",
+                       logit_shift=int(arch == "dream"), mask_id=tok.mask_token_id, pad_id=eos,
+                       stop_ids=tuple(sorted({eos, eot})), filler_id=eos, max_length=256)
+
+
+def prompt_ids(tok, prompt: str) -> list[int]:
+    text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def encode(tok, arch: str, examples, answer_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-padded prompt ids [N, P], their lengths [N], answer ids [N, answer_length] (answer, end of turn,
+    end-of-text padding)."""
+    eos, eot = tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids(END_OF_TURN[arch])
+    prompts = [prompt_ids(tok, ex.prompt) for ex in examples]
+    width = max(map(len, prompts))
+    p = torch.full((len(prompts), width), eos, dtype=torch.long)
+    a = torch.full((len(prompts), answer_length), eos, dtype=torch.long)
+    for i, (ids, ex) in enumerate(zip(prompts, examples)):
+        p[i, width - len(ids):] = torch.tensor(ids)
+        ans = tok(ex.answer, add_special_tokens=False)["input_ids"] + [eot]
+        if len(ans) > answer_length:
+            raise ValueError(f"answer of {len(ans)} tokens does not fit --answer-length {answer_length}")
+        a[i, :len(ans)] = torch.tensor(ans)
+    return p, torch.tensor([len(x) for x in prompts]), a
+
+
+def masked_diffusion_loss(model, prompts, lengths, answers, generator, eps: float = 1e-3) -> torch.Tensor:
+    batch, width = prompts.shape
+    width = int(lengths.max())
+    prompts = prompts[:, -width:]
+    real = torch.arange(width)[None] >= (width - lengths)[:, None]
+    t = eps + (1 - eps) * torch.rand(batch, generator=generator)
+    masked = torch.rand(answers.shape, generator=generator) < t[:, None]
+    noisy = torch.where(masked, model.config.mask_id, answers)
+    tokens = torch.cat((prompts, noisy), 1).to(model.device)
+    real = torch.cat((real, torch.ones_like(answers, dtype=torch.bool)), 1).to(model.device)
+    positions = (real.long().cumsum(1) - 1).clamp(min=0)
+    rows = (torch.arange(width, tokens.shape[1]) - model.config.logit_shift).expand(batch, -1).to(model.device)
+    logits = model.run(tokens, positions, real[:, None, None, :], None, rows)
+    ce = F.cross_entropy(logits.float().flatten(0, 1), answers.to(model.device).flatten(), reduction="none")
+    weight = (masked / t[:, None]).to(model.device).flatten()
+    return (ce * weight).sum() / answers.numel()
+
+
+@torch.no_grad()
+def evaluate(model, tok, examples, answer_length: int, block_length: int) -> dict[str, float]:
+    """Exact match per family with vanilla decoding (low_confidence, one token per step, T = 0)."""
+    model.eval()
+    ids = [prompt_ids(tok, ex.prompt) for ex in examples]
+    canvas, _, _ = decode(model, ids, samplers_mod.SAMPLERS.create("low_confidence"), caches.CACHES.create("none"),
+                          answer_length, block_length)
+    model.train()
+    hits: dict[str, list[bool]] = {f: [] for f in FAMILIES}
+    for ex, row in zip(examples, canvas.tokens[:, canvas.prompt_length:].tolist()):
+        hits[ex.family].append(score(ex, tok.decode(row, skip_special_tokens=True)))
+    acc = {f: sum(h) / len(h) for f, h in hits.items() if h}
+    acc["mean"] = sum(acc.values()) / len(acc)
+    return acc
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(total - warmup, 1)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def save_state(state_dir: Path, model, optimizer, step: int) -> None:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(state_dir / "model.safetensors"))
+    moments = {}
+    for i, p in enumerate(optimizer.param_groups[0]["params"]):
+        for key, value in optimizer.state.get(p, {}).items():
+            moments[f"{i}.{key}"] = value.reshape(1) if value.dim() == 0 else value
+    save_file(moments, str(state_dir / "optimizer.safetensors"))
+    (state_dir / "state.json").write_text(json.dumps({"step": step}))
+
+
+def load_state(state_dir: Path, model, optimizer) -> int:
+    if not (state_dir / "state.json").exists():
+        return 0
+    model.load_state_dict(load_file(str(state_dir / "model.safetensors")))
+    moments = load_file(str(state_dir / "optimizer.safetensors"))
+    params = optimizer.param_groups[0]["params"]
+    for name, value in moments.items():
+        i, key = name.split(".", 1)
+        optimizer.state[params[int(i)]][key] = value.reshape(()) if key == "step" else value
+    return json.loads((state_dir / "state.json").read_text())["step"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", choices=("llada", "dream"), required=True)
+    ap.add_argument("--out", required=True, help="output Hugging Face directory")
+    ap.add_argument("--state", default=None, help="run state directory for resuming (default runs/train-ARCH)")
+    ap.add_argument("--steps", type=int, default=4000)
+    ap.add_argument("--batch-size", type=int, default=128)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--warmup", type=int, default=200)
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=None, help="default: heads (LLaDA), heads/2 (Dream)")
+    ap.add_argument("--ff", type=int, default=None, help="default: 3 * d")
+    ap.add_argument("--answer-length", type=int, default=64)
+    ap.add_argument("--block-length", type=int, default=32, help="blocks used by the periodic evaluation")
+    ap.add_argument("--train-per-family", type=int, default=100_000)
+    ap.add_argument("--eval-every", type=int, default=500)
+    ap.add_argument("--eval-per-family", type=int, default=20)
+    ap.add_argument("--save-every", type=int, default=250)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    state_dir = Path(args.state or f"runs/train-{args.arch}")
+
+    tok = build_tokenizer(args.arch, CHARSET)
+    size = dict(d=args.d, layers=args.layers, heads=args.heads, ff=args.ff or 3 * args.d,
+                kv_heads=args.kv_heads or (args.heads if args.arch == "llada" else max(args.heads // 2, 1)))
+    model = build_model(model_config(args.arch, tok, size), args.device, torch.float32)
+    init_random(model, args.seed)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
+    start = load_state(state_dir, model, optimizer)
+
+    train = make_split("train", args.train_per_family, seed=args.seed)
+    prompts, lengths, answers = encode(tok, args.arch, train, args.answer_length)
+    held_out = [ex for f in FAMILIES for ex in make_split("test", args.eval_per_family, families=[f])]
+    print(f"{args.arch}: {model.config.num_parameters() / 1e6:.2f}M parameters, {len(train)} training examples, "
+          f"resuming at step {start}" if start else
+          f"{args.arch}: {model.config.num_parameters() / 1e6:.2f}M parameters, {len(train)} training examples")
+
+    began = time.time()
+    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc=f"train {args.arch}")
+    for step in bar:
+        g = torch.Generator().manual_seed(args.seed * 1_000_003 + step)  # batch depends only on (seed, step)
+        idx = torch.randint(0, len(train), (args.batch_size,), generator=g)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
+        loss = masked_diffusion_loss(model, prompts[idx], lengths[idx], answers[idx], g)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{optimizer.param_groups[0]['lr']:.2e}")
+        done = step + 1
+        if done % args.save_every == 0 or done == args.steps:
+            save_state(state_dir, model, optimizer, done)
+        if done % args.eval_every == 0 or done == args.steps:
+            acc = evaluate(model, tok, held_out, args.answer_length, args.block_length)
+            tqdm.write(f"step {done} ({(time.time() - began) / 60:.1f} min): "
+                       + " ".join(f"{k} {v:.2f}" for k, v in acc.items()))
+    model.eval()
+    save_pretrained(model, tok, out)
+    print(f"saved {out} after {(time.time() - began) / 60:.1f} min")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""The decode loop with the baseline and Fast-dLLM samplers over none/prefix/dual caches (spec
+baseline_and_fastdllm.md section 6)."""
+import pytest
+import torch
+
+import cache as caches
+import samplers
+from conftest import random_model
+from dllm.decode import Canvas, _finish_rows, decode
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
+MODELS = ["llada-tiny", "dream-tiny"]
+
+
+def run(model, prompts=PROMPTS, sampler="low_confidence", cache="none", gen=32, block=8, steps=None,
+        sampler_args=None, cache_args=None, **kw):
+    return decode(model, prompts, samplers.SAMPLERS.create(sampler, **(sampler_args or {})),
+                  caches.CACHES.create(cache, **(cache_args or {})), gen, block, steps, stop_early=False, **kw)
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def model(request):
+    return random_model(request.param)
+
+
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+@pytest.mark.parametrize("sampler,args", [("low_confidence", {}), ("threshold", {"threshold": 0.3})])
+def test_refresh_every_step_equals_no_cache(model, cache, sampler, args):
+    want, want_stats, _ = run(model, sampler=sampler, sampler_args=args)
+    got, stats, _ = run(model, sampler=sampler, sampler_args=args, cache=cache, cache_args={"refresh_every": 1})
+    assert torch.equal(got.tokens, want.tokens)
+    assert stats.nfe == want_stats.nfe == stats.full_forwards
+
+
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+def test_block_caches_approximate_but_finish(model, cache):
+    got, stats, _ = run(model, cache=cache)
+    assert stats.full_forwards == 32 // 8  # one refresh per block
+    assert not (got.tokens == model.config.mask_id).any()
+
+
+def test_fresh_cache_reproduces_full_forward(model):
+    """Right after a refresh, a dual (block) or prefix (suffix) forward gives the full forward's logits."""
+    canvas = Canvas.build(model, PROMPTS, 16)
+    L, s, e = canvas.tokens.shape[1], canvas.prompt_length, canvas.prompt_length + 8
+    shift = model.config.logit_shift
+    kv = caches.CACHES.create("dual").new_kv(model, 2, L)
+    kv.rows = slice(0, L)
+    with torch.no_grad():
+        full = model.run(canvas.tokens, canvas.positions, canvas.key_mask, kv)
+        for rows in (slice(s - shift, e), slice(s - shift, L)):
+            kv.rows = rows
+            part = model.run(canvas.tokens[:, rows], canvas.positions[:, rows], canvas.key_mask, kv)
+            assert (part - full[:, rows]).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("cache", ["none", "dual"])
+def test_padded_row_equals_prompt_alone(model, cache):
+    batch, _, _ = run(model, cache=cache, sampler="threshold", sampler_args={"threshold": 0.5})
+    for row, prompt in enumerate(PROMPTS):
+        alone, _, _ = run(model, prompts=[prompt], cache=cache, sampler="threshold", sampler_args={"threshold": 0.5})
+        assert torch.equal(batch.tokens[row, batch.prompt_length:], alone.tokens[0, alone.prompt_length:])
+
+
+def test_vanilla_is_deterministic_one_token_per_step(model):
+    a, stats, trace = run(model, steps=32, trace=True)
+    b, _, _ = run(model, steps=32)
+    assert torch.equal(a.tokens, b.tokens)
+    assert stats.nfe == 32 and stats.gen_tokens == 64
+    assert all(len(row) == 1 for step in trace for row in step["commits"])
+
+
+def test_threshold_above_one_is_vanilla(model):
+    want, want_stats, _ = run(model)
+    got, stats, _ = run(model, sampler="threshold", sampler_args={"threshold": 1.01})
+    assert torch.equal(got.tokens, want.tokens) and stats.nfe == want_stats.nfe == 32
+
+
+@pytest.mark.parametrize("tau", [0.0, 0.2, 0.6])
+def test_threshold_commits_between_one_and_all(model, tau):
+    _, stats, trace = run(model, sampler="threshold", sampler_args={"threshold": tau}, trace=True)
+    masks_left = {0: 32, 1: 32}
+    for step in trace:
+        for row, commits in enumerate(step["commits"]):
+            left_in_block = 8 - sum(1 for s in trace[:trace.index(step)] if s["block"] == step["block"]
+                                    for _ in s["commits"][row])
+            if left_in_block:
+                assert 1 <= len(commits) <= left_in_block
+            assert all(c["confidence"] >= tau for c in commits[1:]) or tau == 0
+            masks_left[row] -= len(commits)
+    assert masks_left == {0: 0, 1: 0}
+    if tau == 0.0:
+        assert stats.nfe == 4  # everything in the block commits at once
+
+
+def test_rows_per_layer_match_closed_forms(model):
+    """Cost model of spec 4.5 with one token per step: n_k = block length steps in every block."""
+    P, G, Bk, B = 7, 32, 8, 2
+    L, K, shift = P + G, G // Bk, model.config.logit_shift
+    expected = {
+        "none": G * L,
+        "prefix": sum(L + (Bk - 1) * (L - (P + k * Bk) + shift) for k in range(K)),
+        "dual": sum(L + (Bk - 1) * (Bk + shift) for k in range(K)),
+    }
+    for cache, rows in expected.items():
+        _, stats, _ = run(model, cache=cache)
+        assert stats.rows_per_layer == [B * rows] * model.config.n_layers, cache
+    _, stats, _ = run(model, cache="dual")
+    cfg = model.config
+    assert stats.cache_bytes == 2 * cfg.n_layers * B * cfg.n_kv_heads * L * cfg.head_dim * 4
+
+
+def test_finished_rows_get_filler_and_stop(model):
+    cfg = model.config
+    canvas = Canvas.build(model, [[5, 6], [7, 8]], 6)
+    M, S = cfg.mask_id, cfg.stop_ids[0]
+    canvas.tokens[:, 2:] = torch.tensor([[1, S, M, 3, M, M], [M, S, M, M, M, M]])
+    finished = _finish_rows(canvas, torch.zeros(2, dtype=torch.bool), cfg)
+    assert finished.tolist() == [True, False]  # row 1 still has a mask before its stop token
+    assert canvas.tokens[0, 2:].tolist() == [1, S, cfg.filler_id, 3, cfg.filler_id, cfg.filler_id]
+    assert (canvas.tokens[1, 2:] == torch.tensor([M, S, M, M, M, M])).all()

@@ -1,0 +1,137 @@
+"""Bad input gets a one-line DllmError that names the fix, from Python and from the CLI."""
+import json
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import dllm
+import samplers
+from conftest import random_model
+from dllm.cli import main
+from dllm.errors import DllmError
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return dllm.load("random:llada-tiny")
+
+
+def one_line_error(fn, match):
+    with pytest.raises(DllmError, match=match) as info:
+        fn()
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(sampler="nope"), "unknown sampler 'nope'; choose one of"),
+    (dict(cache="nope"), "unknown cache 'nope'; choose one of"),
+    (dict(sampler="low_confidence", threshold=0.9), "unknown parameter 'threshold'.*sampler takes temperature"),
+    (dict(sampler="threshold", threshold=-0.5), "threshold=-0.5 is out of range; it must be >= 0.0"),
+    (dict(temperature="hot"), "temperature must be float"),
+    (dict(cache="dual", refresh_every=-1), "refresh_every=-1 is out of range"),
+    (dict(gen_length=30, block_length=8), "gen_length \\(30\\) must be a multiple of block_length \\(8\\)"),
+    (dict(gen_length=32, block_length=8, steps=6), "steps \\(6\\) must be a multiple of the number of blocks"),
+    (dict(gen_length=0), "must be positive"),
+    (dict(gen_length=1024, block_length=32), "exceeds the model's context of 512; shorten the prompt"),
+])
+def test_generate_rejects_bad_arguments(tiny, kwargs, match):
+    model, tok = tiny
+    one_line_error(lambda: dllm.generate(model, tok, ["hi"], **kwargs), match)
+
+
+def test_empty_prompt(tiny):
+    one_line_error(lambda: dllm.generate(tiny[0], tiny[1], [""], chat=False), "a prompt is empty")
+
+
+def test_unknown_models(tmp_path):
+    one_line_error(lambda: dllm.load("no-such-model"), "unknown model 'no-such-model'")
+    one_line_error(lambda: dllm.load("random:gpt-9"), "unknown random model 'gpt-9'")
+    one_line_error(lambda: dllm.load(str(tmp_path)), "has no config.json")
+
+
+def _checkpoint(tmp_path):
+    model, tok = dllm.load("random:llada-tiny")
+    dllm.save_pretrained(model, tok, tmp_path)
+    return tmp_path
+
+
+def test_checkpoint_problems(tmp_path):
+    path = _checkpoint(tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    one_line_error(lambda: dllm.load(str(path)), "unknown model_type 'gpt2'.*supported: llada, Dream")
+    (path / "config.json").write_text("{not json")
+    one_line_error(lambda: dllm.load(str(path)), "is not valid JSON")
+    (path / "config.json").write_text(json.dumps({**config, "n_layers": 3}))
+    one_line_error(lambda: dllm.load(str(path)), "does not match config.json: missing 9 tensors")
+    (path / "config.json").write_text(json.dumps({**config, "d_model": 32}))
+    one_line_error(lambda: dllm.load(str(path)), "has shape .* config.json implies")
+    (path / "config.json").write_text(json.dumps(config))
+    weights = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    one_line_error(lambda: dllm.load(str(path)), "model.safetensors is corrupt")
+    (path / "model.safetensors").unlink()
+    one_line_error(lambda: dllm.load(str(path)), "no model.safetensors or model.safetensors.index.json")
+    (path / "pytorch_model.bin").write_bytes(b"pickle")
+    one_line_error(lambda: dllm.load(str(path)), "only pickle weights")
+
+
+def test_sharded_checkpoint_loads_and_missing_shard_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+    path = _checkpoint(tmp_path)
+    model, _ = dllm.load(str(path))
+    state = load_file(str(path / "model.safetensors"))
+    names = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for f, keys in shards.items():
+        save_file({k: state[k] for k in keys}, str(path / f))
+    (path / "model.safetensors").unlink()
+    index = {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    sharded, _ = dllm.load(str(path))
+    ids = torch.tensor([[3, 4, 5]])
+    with torch.no_grad():
+        assert torch.equal(sharded(ids), model(ids))
+    (path / "model-00002-of-00002.safetensors").unlink()
+    one_line_error(lambda: dllm.load(str(path)), "missing shard files model-00002-of-00002.safetensors")
+
+
+def test_cli_prints_one_line_and_exits_2(capsys):
+    assert main(["generate", "hi", "--model", "random:llada-tiny", "--sampler", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: unknown sampler 'nope'") and err.count("\n") == 1
+    assert main(["generate", "hi", "--model", "random:llada-tiny", "--sampler-arg", "threshold"]) == 2
+    assert "--sampler-arg expects KEY=VALUE" in capsys.readouterr().err
+
+
+def test_user_sampler_registers_and_runs(tiny):
+    @samplers.register("leftmost_test")
+    @dataclass
+    class Leftmost(samplers.Sampler):
+        """Commit the leftmost masked position."""
+
+        def step(self, ctx):
+            first = ctx.eligible.int().argmax(1)
+            mask = torch.zeros_like(ctx.eligible)
+            mask[torch.arange(mask.shape[0]), first] = True
+            return samplers.Commit(mask & ctx.eligible, ctx.logits.argmax(-1), ctx.logits.amax(-1))
+
+    out = dllm.generate(random_model("llada-tiny"), tiny[1], ["ab"], sampler="leftmost_test", gen_length=16,
+                        block_length=8, stop_early=False, trace=True)
+    assert [c[0]["position"] for step in out.trace for c in step["commits"]] == list(range(out.sequences.shape[1] - 16,
+                                                                                           out.sequences.shape[1]))
+    one_line_error(lambda: samplers.register("threshold")(Leftmost), "already registered")
+
+
+def test_sampler_that_commits_nothing_is_an_error(tiny):
+    @samplers.register("lazy_test")
+    @dataclass
+    class Lazy(samplers.Sampler):
+        """Never commits."""
+
+        def step(self, ctx):
+            return samplers.Commit(torch.zeros_like(ctx.eligible), ctx.logits.argmax(-1), ctx.logits.amax(-1))
+
+    one_line_error(lambda: dllm.generate(*tiny, ["ab"], sampler="lazy_test", gen_length=8, block_length=8),
+                   "committed nothing for an unfinished row")
