@@ -104,6 +104,26 @@ def _chat(args) -> int:
     return 0
 
 
+def _eval(args) -> int:
+    import dllm
+    from eval.harness import evaluate, get_task
+
+    get_task(args.task)
+    sampler, cache = _policies(args)
+    model, tok = dllm.load(args.model, device=args.device, dtype=args.dtype)
+    summary = evaluate(model, tok, args.task, sampler, cache, args.gen_length, args.block_length, args.steps,
+                       args.limit, args.batch_size, args.output, args.seed, args.chat, model_name=args.model)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"{summary['task']}: accuracy {summary['accuracy']:.3f} on {summary['n']} | forwards/example "
+              f"{summary['nfe_mean']:.1f} | tokens/forward {summary['tpf']:.2f} | {summary['tokens_per_second']:.1f} "
+              f"tokens/s")
+        for group, acc in summary["per_group_accuracy"].items():
+            print(f"    {group}: {acc:.3f}")
+    return 0
+
+
 def _list(args) -> int:
     if args.what == "models":
         from .loading import available_models
@@ -133,6 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("chat", help="multi-turn chat on stdin/stdout")
     _add_decoding_flags(c)
     c.set_defaults(run=_chat)
+    e = sub.add_parser("eval", help="score a sampler/cache on a task (JSONL per example + summary.json)")
+    e.add_argument("--task", default="synthetic")
+    _add_decoding_flags(e)
+    e.add_argument("--limit", type=int, default=None, help="first N examples only")
+    e.add_argument("--batch-size", type=int, default=16)
+    e.add_argument("--output", default=None, help="directory for results.jsonl and summary.json (resumable)")
+    e.add_argument("--json", action="store_true", help="print the summary as JSON")
+    e.set_defaults(run=_eval)
     ls = sub.add_parser("list", help="samplers, caches or models, with parameters and defaults")
     ls.add_argument("what", choices=("samplers", "caches", "models"))
     ls.add_argument("--json", action="store_true")
