@@ -10,15 +10,25 @@ from dllm.params import Params
 
 
 class PassThrough:
-    """No storage: the active rows are the only keys. Counts rows computed per layer."""
+    """No storage: the active rows are the only keys. Counts rows computed per layer. Its no-op `expand`,
+    `attention_rows` and `observe_attention` are the hooks a cache overrides (see `dllm.models.KVAccess`)."""
 
     def __init__(self, n_layers: int):
         self.rows_per_layer = [0] * n_layers
         self.rows: slice = slice(None)
 
+    def expand(self, layer: int, x: Tensor) -> tuple[Tensor, Tensor] | None:
+        return None
+
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         self.rows_per_layer[layer] += k.shape[0] * k.shape[2]
         return k, v
+
+    def attention_rows(self, layer: int) -> Tensor | None:
+        return None
+
+    def observe_attention(self, layer: int, probs: Tensor) -> None:
+        pass
 
     @property
     def nbytes(self) -> int:

@@ -119,3 +119,73 @@ def test_finished_rows_get_filler_and_stop(model):
     assert finished.tolist() == [True, False]  # row 1 still has a mask before its stop token
     assert canvas.tokens[0, 2:].tolist() == [1, S, cfg.filler_id, 3, cfg.filler_id, cfg.filler_id]
     assert (canvas.tokens[1, 2:] == torch.tensor([M, S, M, M, M, M])).all()
+
+
+class RecordingStore(caches.KVStore):
+    """Keeps every layer's hidden input (as Elastic-Cache does) and can expand to all rows at one layer."""
+
+    def __init__(self, model, canvas, expand_at=None, probe=None):
+        cfg = model.config
+        B, L = canvas.tokens.shape
+        super().__init__(cfg.n_layers, B, cfg.n_kv_heads, L, cfg.head_dim, torch.float32, torch.device("cpu"))
+        self.hidden = [torch.zeros(B, L, cfg.hidden_size) for _ in range(cfg.n_layers)]
+        self.positions, self.expand_at, self.probe, self.seen = canvas.positions, expand_at, probe, {}
+
+    def expand(self, layer, x):
+        self.hidden[layer][:, self.rows] = x
+        if layer != self.expand_at:
+            return None
+        self.rows = slice(0, self.positions.shape[1])
+        return self.hidden[layer].clone(), self.positions
+
+    def attention_rows(self, layer):
+        return self.probe
+
+    def observe_attention(self, layer, probs):
+        self.seen[layer] = probs
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_recompute_from_a_chosen_layer_restores_the_full_forward(model, layer):
+    canvas = Canvas.build(model, PROMPTS, 16)
+    L, s, e = canvas.tokens.shape[1], canvas.prompt_length, canvas.prompt_length + 8
+    kv = RecordingStore(model, canvas, expand_at=layer)
+    kv.rows = slice(0, L)
+    with torch.no_grad():
+        model.run(canvas.tokens, canvas.positions, canvas.key_mask, kv)  # refresh: fills every store
+        canvas.tokens[:, s:s + 3] = torch.tensor([20, 21, 22])  # commits inside the block
+        want = model.run(canvas.tokens, canvas.positions, canvas.key_mask, None)[:, s:e]
+        kv.rows = slice(s, e)
+        got = model.run(canvas.tokens[:, s:e], canvas.positions[:, s:e], canvas.key_mask, kv,
+                        torch.arange(8).expand(2, -1))
+    if layer == 0:  # stale rows are all unchanged tokens: exact
+        assert (got - want).abs().max() < 1e-5
+    else:  # layer-0 K/V of the block are fresh but deeper rows outside it were computed before the commits
+        assert (got - want).abs().max() > 1e-6
+    assert kv.rows_per_layer[-1] == 2 * (L + L)  # the last layer ran every row twice
+
+
+def test_attention_probabilities_of_chosen_rows(model):
+    canvas = Canvas.build(model, PROMPTS, 8)
+    L = canvas.tokens.shape[1]
+    probe = torch.tensor([[0, 3], [4, 9]])
+    kv = RecordingStore(model, canvas, probe=probe)
+    kv.rows = slice(0, L)
+    with torch.no_grad():
+        model.run(canvas.tokens, canvas.positions, canvas.key_mask, kv)
+    probs = kv.seen[0]
+    assert probs.shape == (2, model.config.n_heads, 2, L)
+    assert torch.allclose(probs.sum(-1), torch.ones(2, model.config.n_heads, 2))
+    assert (probs[1, :, :, :4] == 0).all()  # row 1 is left-padded by 4: pads get no attention
+    # layer 0 by hand: softmax(q k^T / sqrt(d)) of the embedded, normed inputs
+    block, cfg = model.layers[0], model.config
+    h = block.attn_norm(model.embed(canvas.tokens))
+    cos, sin = model.rope_tables(canvas.positions)
+    from dllm.models.transformer import rope
+    q = rope(block.q_proj(h).view(2, L, cfg.n_heads, -1).transpose(1, 2), cos, sin)
+    k = rope(block.k_proj(h).view(2, L, cfg.n_kv_heads, -1).transpose(1, 2), cos, sin)
+    k = k.repeat_interleave(cfg.n_heads // cfg.n_kv_heads, 1)
+    scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+    scores = scores.masked_fill(~canvas.key_mask, float("-inf")).softmax(-1)
+    want = torch.stack([scores[b, :, probe[b]] for b in range(2)])
+    assert (probs - want).abs().max() < 1e-6

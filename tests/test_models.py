@@ -155,3 +155,20 @@ def test_save_and_load_roundtrip(preset, tmp_path):
     ids = torch.randint(0, 100, (1, 8))
     with torch.no_grad():
         assert torch.equal(loaded(ids), model(ids))
+
+
+def test_official_llada_chat_template_renders_through_our_prompt_path():
+    """The real LLaDA-8B-Instruct template (with its always-appended assistant header) gives the prompt our
+    loop encodes; our tiny tokenizers render the same format."""
+    from dllm.decode import encode_prompts
+    from dllm.tokenizer import build_char_tokenizer
+
+    official = json.loads(shared_path("data", "llada-8b-instruct", "tokenizer_config.json").read_text())
+    assert official["bos_token"] == "<|startoftext|>"
+    tok = build_char_tokenizer("llada")
+    want = "<|startoftext|><|start_header_id|>user<|end_header_id|>\n\nadd: 1+2<|eot_id|>" \
+           "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    for template in (official["chat_template"], tok.chat_template):
+        tok.chat_template = template
+        ids = encode_prompts(tok, [" add: 1+2 "], chat=True)[0]
+        assert tok.decode(ids) == want

@@ -49,10 +49,30 @@ class ModelConfig:
 
 
 class KVAccess(Protocol):
-    """What a cache gives the forward: per layer, write the fresh K/V of the active rows and return the
-    keys/values the active queries attend to (post-RoPE, `[B, Hkv, Lk, D]`)."""
+    """What a cache gives the forward (spec `dkv_elastic_cache.md` section 9), called once per layer:
+
+    - `expand(layer, x)`: sees the layer input of the active rows; returns `(x, positions)` of *all* canvas
+      rows to recompute everything from this layer on (Elastic-Cache), or None.
+    - `update(layer, k, v)`: writes the fresh post-RoPE K/V of the active rows, returns the keys/values the
+      queries attend to (`[B, Hkv, Lk, D]`).
+    - `attention_rows(layer)`: indices into the active rows whose attention probabilities the cache wants,
+      delivered to `observe_attention(layer, probs [B, H, R, Lk])`; None for none.
+    """
+
+    rows: slice | Tensor
+
+    def expand(self, layer: int, x: Tensor) -> tuple[Tensor, Tensor] | None: ...
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
+
+    def attention_rows(self, layer: int) -> Tensor | None: ...
+
+    def observe_attention(self, layer: int, probs: Tensor) -> None: ...
+
+
+def canvas_index(rows: slice | Tensor, index: Tensor) -> Tensor:
+    """Canvas positions of `index` `[B, C]`, given as indices into the active `rows` (a slice or `[B, A]`)."""
+    return index + rows.start if isinstance(rows, slice) else rows.gather(1, index)
 
 
 class RMSNorm(nn.Module):
@@ -99,11 +119,25 @@ class Block(nn.Module):
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         if kv is not None:
             k, v = kv.update(layer, k, v)
+            probe = kv.attention_rows(layer)
+            if probe is not None:
+                kv.observe_attention(layer, self.attention_probs(q, k, key_mask, probe))
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask,
                                            enable_gqa=self.n_heads != self.n_kv_heads)
         x = x + self.o_proj(rearrange(o, "b h a d -> b a (h d)"))
         h = self.mlp_norm(x)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+    def attention_probs(self, q: Tensor, k: Tensor, key_mask: Tensor | None, probe: Tensor) -> Tensor:
+        """Softmax attention of the query rows `probe` `[B, R]` (fp32), `[B, H, R, Lk]`; fused SDPA cannot
+        return probabilities, so this is the small explicit path."""
+        q = q.gather(2, probe[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[-1])).float()
+        k = k.float().repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
+        scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+        if key_mask is not None:
+            scores = scores.masked_fill(~key_mask, float("-inf"))
+        return scores.softmax(-1)
 
 
 class DiffusionLM(nn.Module):
@@ -145,6 +179,14 @@ class DiffusionLM(nn.Module):
         x = self.embed(tokens)
         cos, sin = self.rope_tables(positions)
         for i, layer in enumerate(self.layers):
+            if kv is not None:
+                active = kv.rows
+                grown = kv.expand(i, x)
+                if grown is not None:  # every canvas row from this layer on
+                    x, positions = grown
+                    cos, sin = self.rope_tables(positions)
+                    if logit_rows is not None:
+                        logit_rows = canvas_index(active, logit_rows)
             x = layer(x, cos, sin, key_mask, kv, i)
         if logit_rows is not None:
             x = x.gather(1, logit_rows[..., None].expand(-1, -1, x.shape[-1]))
