@@ -129,41 +129,52 @@ def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache
     finished = torch.zeros(batch, dtype=torch.bool, device=model.device)
     stats, steps_trace = Stats(batch=batch), [] if trace else None
     committed = torch.zeros((), dtype=torch.long, device=model.device)
-    shift = cfg.logit_shift
+    shift, prompt_length = cfg.logit_shift, canvas.prompt_length
+    total_steps = steps_per_block * (gen_length // block_length)
     start_time = time.perf_counter()
-    for block, start in enumerate(range(canvas.prompt_length, length, block_length)):
-        end = start + block_length
-        candidates = torch.arange(start, end, device=model.device)
+    start, block = prompt_length, 0
+    while start < length and not finished.all():
+        end = min(start + block_length, length)
         step = 0
-        while True:
-            eligible = (canvas.tokens[:, start:end] == cfg.mask_id) & ~finished[:, None]
-            if not eligible.any():
-                break
+        while ((canvas.tokens[:, start:end] == cfg.mask_id) & ~finished[:, None]).any():
+            lo, hi = sampler.logit_window(prompt_length, length, start, end, step)
+            lo, hi = min(lo, start), max(hi, end)
             rows = cache.active_rows(step, start, end, length, shift)
+            rows = slice(min(rows.start, lo - shift), max(rows.stop, hi - shift))  # cover the sampler's window
             kv.rows = rows
             key_mask = canvas.key_mask
             if key_mask is not None and not cache.stores_kv:
                 key_mask = key_mask[..., rows]
-            logit_rows = (candidates - shift - rows.start).expand(batch, -1)
-            logits = model.run(canvas.tokens[:, rows], canvas.positions[:, rows], key_mask, kv, logit_rows)
+            positions = torch.arange(lo, hi, device=model.device)
+            logits = model.run(canvas.tokens[:, rows], canvas.positions[:, rows], key_mask, kv,
+                               (positions - shift - rows.start).expand(batch, -1))
             logits[..., cfg.mask_id] = float("-inf")  # a committed position must never stay masked
-            ctx = samplers_mod.StepContext(logits, eligible, candidates, canvas.tokens, step, steps_per_block, block, generator)
+            masked = (canvas.tokens[:, lo:hi] == cfg.mask_id) & ~finished[:, None]
+            ctx = samplers_mod.StepContext(logits, masked & (positions < end), masked, positions, canvas.tokens,
+                                           step, steps_per_block, block, generator, stats.nfe, total_steps,
+                                           start, end, prompt_length)
+            ctx.eligible &= positions >= start
+            if step == 0:  # the block-start forward may move the block end (AdaBlock)
+                end = sampler.block_end(ctx)
+                if not start < end <= length:
+                    raise DllmError(f"sampler {sampler.name!r} chose block end {end} outside ({start}, {length}]")
+                ctx.block_end = end
+                ctx.eligible = masked & (positions >= start) & (positions < end)
             out = sampler.step(ctx)
-            commit = out.mask & eligible
-            if not torch.equal(commit.any(1), eligible.any(1)):
+            commit = out.mask & masked
+            if not torch.equal((commit & ctx.eligible).any(1), ctx.eligible.any(1)):
                 raise DllmError(f"sampler {sampler.name!r} committed nothing for an unfinished row at block "
                                 f"{block} step {step}; a sampler must commit at least one position per row")
-            canvas.tokens[:, start:end] = torch.where(commit, out.tokens, canvas.tokens[:, start:end])
+            canvas.tokens[:, lo:hi] = torch.where(commit, out.tokens, canvas.tokens[:, lo:hi])
             stats.nfe += 1
             stats.full_forwards += int(rows.stop - rows.start == length)
             committed += commit.sum()
             if trace:
-                steps_trace.append(_trace_step(block, step, rows, candidates, commit, out, logits))
+                steps_trace.append(_trace_step(block, step, rows, positions, commit, out, logits))
             if stop_early:
                 finished = _finish_rows(canvas, finished, cfg)
             step += 1
-        if finished.all():
-            break
+        start, block = end, block + 1
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
     stats.seconds = time.perf_counter() - start_time

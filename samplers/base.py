@@ -13,19 +13,25 @@ class StepContext:
     """What a sampler sees at one step. Candidates are the positions of the current block; logits are
     already aligned to them (no sampler ever sees Dream's shift)."""
 
-    logits: Tensor  # [B, C, V] logits of the candidate positions
-    eligible: Tensor  # [B, C] bool: still masked and allowed to commit now
+    logits: Tensor  # [B, C, V] logits of the candidate positions (the block, or the sampler's logit_window)
+    eligible: Tensor  # [B, C] bool: masked, inside the current block, row unfinished
+    masked: Tensor  # [B, C] bool: masked and row unfinished, anywhere in the window
     positions: Tensor  # [C] canvas positions of the candidates
     canvas: Tensor  # [B, L] current tokens (read only)
     step: int  # step index inside the block, from 0
     steps: int  # step budget of this block (used by schedule-driven samplers)
     block: int  # block index, from 0
     generator: torch.Generator
+    nfe: int  # forwards run before this one in this generation
+    total_steps: int  # nominal step budget of the generation (steps, default gen_length)
+    block_start: int  # canvas position where the block starts
+    block_end: int  # ... and ends (exclusive)
+    prompt_length: int  # canvas position where the generation starts
 
 
 @dataclass
 class Commit:
-    mask: Tensor  # [B, C] bool: positions to commit (subset of ctx.eligible, >= 1 per row with any eligible)
+    mask: Tensor  # [B, C] bool: positions to commit (masked ones; >= 1 eligible per row that has any)
     tokens: Tensor  # [B, C] long: the token for each committed position
     confidence: Tensor  # [B, C] float: the score the choice was made on (for traces)
 
@@ -38,6 +44,15 @@ class Sampler(Params):
 
     def step(self, ctx: StepContext) -> Commit:
         raise NotImplementedError
+
+    def logit_window(self, prompt_length: int, length: int, start: int, end: int, step: int) -> tuple[int, int]:
+        """Hook: canvas range `[lo, hi)` whose logits this step needs (default: the block). The loop widens
+        the computed rows to cover it, and counts them."""
+        return start, end
+
+    def block_end(self, ctx: StepContext) -> int:
+        """Hook, called after each block-start forward: where this block ends (AdaBlock)."""
+        return ctx.block_end
 
 
 def gumbel_argmax(logits: Tensor, temperature: float, generator: torch.Generator) -> Tensor:

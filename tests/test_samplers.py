@@ -14,8 +14,8 @@ def ctx_for(probs, eligible=None, step=0, steps=1, seed=0):
     if eligible is None:
         eligible = torch.ones(logits.shape[:2], dtype=torch.bool)
     C = logits.shape[1]
-    return StepContext(logits, eligible, torch.arange(C), torch.zeros(1, C, dtype=torch.long), step, steps, 0,
-                       torch.Generator().manual_seed(seed))
+    return StepContext(logits, eligible, eligible.clone(), torch.arange(C), torch.zeros(1, C, dtype=torch.long), step,
+                       steps, 0, torch.Generator().manual_seed(seed), 0, steps, 0, C, 0)
 
 
 def peaked(confidences, vocab=4):
