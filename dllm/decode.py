@@ -247,6 +247,7 @@ def generate(model: DiffusionLM, tokenizer, prompts, sampler: str | Sampler = "l
     `refresh_every=4`). steps defaults to gen_length (one token per step for schedule-driven samplers)."""
     sampler, cache = split_params(sampler, cache, params)
     ids = encode_prompts(tokenizer, prompts, chat)
+    sampler.prepare(tokenizer)
     canvas, stats, steps_trace = decode(model, ids, sampler, cache, gen_length, block_length, steps, seed,
                                         stop_early, trace)
     cfg = model.config

@@ -45,6 +45,11 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
         raise DllmError(f"{where} must be {kind.__name__}, got {value!r}") from None
 
 
+def _params(obj) -> list[dataclasses.Field]:
+    """The user-settable fields (state kept with `field(init=False)` is not a parameter)."""
+    return [f for f in dataclasses.fields(obj) if f.init]
+
+
 @dataclasses.dataclass
 class Params:
     """Base of every sampler and cache: validates its fields after construction."""
@@ -54,7 +59,7 @@ class Params:
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
-        for f in dataclasses.fields(self):
+        for f in _params(self):
             where = f"{self.kind} {self.name!r} parameter {f.name}"
             value = _convert(getattr(self, f.name), hints[f.name], where)
             setattr(self, f.name, value)
@@ -69,7 +74,7 @@ class Params:
                 raise DllmError(f"{where}={value!r} is not one of {', '.join(map(str, m['choices']))}")
 
     def config(self) -> dict[str, Any]:
-        return {"name": self.name, **dataclasses.asdict(self)}
+        return {"name": self.name, **{f.name: getattr(self, f.name) for f in _params(self)}}
 
     @classmethod
     def describe(cls) -> dict[str, Any]:
@@ -77,11 +82,11 @@ class Params:
         doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
         return {"name": cls.name, "doc": doc, "params": [
             {"name": f.name, "type": str(hints[f.name]).replace("<class '", "").replace("'>", ""),
-             "default": f.default, "doc": f.metadata.get("doc", "")} for f in dataclasses.fields(cls)]}
+             "default": f.default, "doc": f.metadata.get("doc", "")} for f in _params(cls)]}
 
     @classmethod
     def param_names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)]
+        return [f.name for f in _params(cls)]
 
 
 class Registry:

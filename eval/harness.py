@@ -67,6 +67,7 @@ def evaluate(model, tokenizer, task: str, sampler: str | Any = "low_confidence",
     cache = caches.CACHES.create(cache, **(cache_args or {}))
     if batch_size < 1:
         raise DllmError(f"batch_size ({batch_size}) must be at least 1")
+    sampler.prepare(tokenizer)
     items = spec.load()[:limit] if limit else spec.load()
     out_dir = Path(output) if output else None
     records: dict[str, dict] = {}

@@ -45,6 +45,9 @@ class Sampler(Params):
     def step(self, ctx: StepContext) -> Commit:
         raise NotImplementedError
 
+    def prepare(self, tokenizer) -> None:
+        """Hook, called by `dllm.generate` before decoding: read what the sampler needs from the tokenizer."""
+
     def logit_window(self, prompt_length: int, length: int, start: int, end: int, step: int) -> tuple[int, int]:
         """Hook: canvas range `[lo, hi)` whose logits this step needs (default: the block). The loop widens
         the computed rows to cover it, and counts them."""

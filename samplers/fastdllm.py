@@ -11,6 +11,12 @@ from . import register
 from .base import Commit, Sampler, StepContext, gumbel_argmax, token_probability, top_k_per_row
 
 
+def threshold_commit(confidence, eligible, threshold: float):
+    """Every eligible position with confidence >= threshold, and always the most confident one."""
+    best = top_k_per_row(confidence, eligible, torch.ones_like(eligible[:, 0], dtype=torch.long))
+    return best | (eligible & (confidence >= threshold))
+
+
 def _ranked(confidence, eligible):
     score = confidence.masked_fill(~eligible, float("-inf"))
     return score.sort(dim=1, descending=True, stable=True).values
@@ -27,8 +33,7 @@ class Threshold(Sampler):
     def step(self, ctx: StepContext) -> Commit:
         tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generator)
         confidence = token_probability(ctx.logits, tokens)
-        best = top_k_per_row(confidence, ctx.eligible, torch.ones_like(ctx.eligible[:, 0], dtype=torch.long))
-        return Commit(best | (ctx.eligible & (confidence >= self.threshold)), tokens, confidence)
+        return Commit(threshold_commit(confidence, ctx.eligible, self.threshold), tokens, confidence)
 
 
 @register("factor")

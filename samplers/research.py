@@ -1,0 +1,173 @@
+"""Training-free samplers from recent papers, each a small policy over the shared loop (specs
+`prophet_credit_localleap.md`, `adablock_selfspec.md`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dllm.errors import DllmError
+from dllm.params import param
+
+from . import SAMPLERS, register
+from .base import Commit, Sampler, StepContext, gumbel_argmax, token_probability
+from .fastdllm import threshold_commit
+
+
+@register("credit")
+@dataclass
+class Credit(Sampler):
+    """CreditDecoding (arXiv 2510.06133): decaying per-token trace credits fused into the logits, then the
+    threshold rule; credits reset every block."""
+
+    threshold: float = param(0.9, "commit fused confidence >= this (Fast-dLLM rule)", ge=0.0)
+    alpha: float = param(0.65, "fusion strength: logits + alpha * log(1 + credit)", ge=0.0)
+    beta: float = param(0.7, "credit decay per step", ge=0.0, lt=1.0)
+    gamma: float = param(0.2, "concave exponent: the top-1 earns p ** gamma", gt=0.0)
+    tuning_free: bool = param(False, "gamma = 1, alpha = beta = 1 - (masked fraction of the block)")
+    _credit: Tensor | None = field(default=None, init=False, repr=False)
+
+    def step(self, ctx: StepContext) -> Commit:
+        logits = ctx.logits.double()
+        top_p, top_token = torch.softmax(logits, -1).max(-1)
+        alpha, beta, gamma = self.alpha, self.beta, self.gamma
+        if self.tuning_free:
+            masked_fraction = ctx.eligible.sum(1, keepdim=True).double() / ctx.eligible.shape[1]
+            alpha = beta = (1 - masked_fraction)[..., None]
+            gamma = 1.0
+        if ctx.step == 0 or self._credit is None or self._credit.shape != logits.shape:
+            self._credit = torch.zeros_like(logits)  # per block: reset
+        else:
+            self._credit *= beta
+        gain = torch.where(ctx.eligible, top_p ** gamma, 0.0)  # only masked positions of the block earn credit
+        self._credit.scatter_add_(-1, top_token[..., None], gain[..., None])
+        fused = logits + alpha * torch.log1p(self._credit)
+        tokens = gumbel_argmax(fused, self.temperature, ctx.generator)
+        confidence = token_probability(fused, tokens)
+        return Commit(threshold_commit(confidence, ctx.eligible, self.threshold), tokens, confidence)
+
+
+@register("localleap")
+@dataclass
+class LocalLeap(Sampler):
+    """LocalLeap: anchors (confidence >= threshold) let masked neighbours within `radius` commit at the
+    relaxed threshold; everything else follows the strict threshold."""
+
+    threshold: float = param(0.9, "anchor and strict commit threshold (kappa)", ge=0.0)
+    relaxed_threshold: float = param(0.75, "threshold within radius of an anchor (tau <= kappa)", ge=0.0)
+    radius: int = param(4, "neighbourhood radius W around each anchor", ge=0)
+
+    def step(self, ctx: StepContext) -> Commit:
+        tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generator)
+        confidence = token_probability(ctx.logits, tokens)
+        anchors = ctx.eligible & (confidence >= self.threshold)
+        near = F.max_pool1d(anchors[:, None].float(), 2 * self.radius + 1, stride=1, padding=self.radius)[:, 0] > 0
+        relaxed = ctx.eligible & near & (confidence >= self.relaxed_threshold)
+        return Commit(threshold_commit(confidence, ctx.eligible, self.threshold) | relaxed, tokens, confidence)
+
+
+@register("prophet")
+@dataclass
+class Prophet(Sampler):
+    """Prophet (arXiv 2508.19982): when the mean top-1/top-2 logit gap of the answer region clears the phase
+    threshold, commit every remaining mask with its argmax at once; otherwise step the base sampler.
+
+    The gap and the fill need logits of the whole generation, so under prefix/dual caches the computed
+    window widens to it (counted in rows_per_layer). Progress is forwards / total steps."""
+
+    base: str = param("low_confidence", "base sampler for steps that do not exit",
+                      choices=("low_confidence", "threshold"))
+    threshold: float = param(0.9, "threshold of the base sampler when base=threshold", ge=0.0)
+    early_threshold: float = param(7.5, "gap needed while progress < early_bound", ge=0.0)
+    mid_threshold: float = param(5.0, "gap needed while progress < late_bound", ge=0.0)
+    late_threshold: float = param(2.5, "gap needed afterwards", ge=0.0)
+    early_bound: float = param(0.33, "end of the early phase (fraction of steps)", ge=0.0, le=1.0)
+    late_bound: float = param(0.67, "start of the late phase (fraction of steps)", ge=0.0, le=1.0)
+    answer_start: int | None = param(None, "answer window offset in the generation (None: the whole generation)",
+                                     ge=0)
+    answer_length: int = param(5, "answer window length when answer_start is set", ge=1)
+
+    def __post_init__(self):
+        super().__post_init__()
+        args = {"threshold": self.threshold} if self.base == "threshold" else {}
+        self._base = SAMPLERS.create(self.base, temperature=self.temperature, **args)
+
+    def logit_window(self, prompt_length, length, start, end, step):
+        return prompt_length, length
+
+    def phase_threshold(self, progress: float) -> float:
+        if progress < self.early_bound:
+            return self.early_threshold
+        return self.mid_threshold if progress < self.late_bound else self.late_threshold
+
+    def step(self, ctx: StepContext) -> Commit:
+        out = self._base.step(ctx)
+        offset = ctx.positions - ctx.prompt_length
+        window = torch.ones_like(offset, dtype=torch.bool) if self.answer_start is None else \
+            (offset >= self.answer_start) & (offset < self.answer_start + self.answer_length)
+        top2 = ctx.logits[:, window].float().topk(2, dim=-1).values
+        gap = (top2[..., 0] - top2[..., 1]).mean(-1)
+        fire = gap >= self.phase_threshold((ctx.nfe + 1) / ctx.total_steps)
+        return Commit(torch.where(fire[:, None], ctx.masked, out.mask), out.tokens, out.confidence)
+
+
+@register("adablock")
+@dataclass
+class AdaBlock(Sampler):
+    """AdaBlock-dLLM (arXiv 2509.26432): at each block start, end the block on the most confident predicted
+    delimiter in a window of gen_length/4 if its confidence reaches delimiter_threshold; threshold decoding
+    inside. Batch rows share block boundaries: the smallest block any row asks for is used."""
+
+    threshold: float = param(0.9, "token commit threshold inside the block", ge=0.0)
+    delimiter_threshold: float = param(0.3, "delimiter confidence that sets the block end (paper: 0.3 LLaDA, "
+                                       "0.5 Dream; inf disables)", ge=0.0)
+    delimiters: str = param("\n", "characters whose tokens end a semantic step (resolved with the tokenizer)")
+    delimiter_ids: str | None = param(None, "comma-separated token ids; overrides delimiters")
+    window_fraction: float = param(0.25, "delimiter search window as a fraction of gen_length", gt=0.0, le=1.0)
+    _ids: Tensor | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.delimiter_ids is not None:
+            try:
+                self._ids = torch.tensor([int(t) for t in self.delimiter_ids.split(",") if t.strip()])
+            except ValueError:
+                raise DllmError(f"sampler 'adablock' parameter delimiter_ids={self.delimiter_ids!r} must be "
+                                f"comma-separated integers") from None
+
+    def prepare(self, tokenizer) -> None:
+        """Resolve `delimiters` to every vocabulary token made only of delimiter characters."""
+        if self.delimiter_ids is not None:
+            return
+        chars = set(self.delimiters)
+        ids = [i for tok, i in tokenizer.get_vocab().items()
+               if (text := tokenizer.convert_tokens_to_string([tok])) and set(text) <= chars]
+        self._ids = torch.tensor(sorted(ids), dtype=torch.long)
+
+    def _window(self, prompt_length, length, start):
+        return min(int(self.window_fraction * (length - prompt_length)), length - start)
+
+    def logit_window(self, prompt_length, length, start, end, step):
+        return start, max(end, start + self._window(prompt_length, length, start)) if step == 0 else end
+
+    def block_end(self, ctx: StepContext) -> int:
+        if self._ids is None:
+            raise DllmError("sampler 'adablock' needs delimiter ids: decode through dllm.generate (which reads "
+                            "them from the tokenizer) or set delimiter_ids")
+        length = ctx.canvas.shape[1]
+        window = (ctx.positions >= ctx.block_start) & \
+            (ctx.positions < ctx.block_start + self._window(ctx.prompt_length, length, ctx.block_start))
+        probs = torch.softmax(ctx.logits[:, window].double(), -1)
+        conf, pred = probs.max(-1)
+        conf = torch.where(torch.isin(pred, self._ids.to(pred.device)), conf, -1.0)
+        best_conf, best = conf.max(-1)  # first maximum: ties go to the lowest position
+        ends = torch.where(best_conf >= self.delimiter_threshold, ctx.block_start + best + 1, ctx.block_end)
+        active = ctx.masked.any(1)
+        return int(ends[active].min()) if active.any() else ctx.block_end
+
+    def step(self, ctx: StepContext) -> Commit:
+        tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generator)
+        confidence = token_probability(ctx.logits, tokens)
+        return Commit(threshold_commit(confidence, ctx.eligible, self.threshold), tokens, confidence)

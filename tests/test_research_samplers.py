@@ -1,0 +1,145 @@
+"""Prophet, CreditDecoding, LocalLeap, AdaBlock: their reductions to the base decoders, their rules on
+hand-made logits, and every sampler x cache x model."""
+import pytest
+import torch
+
+import cache as caches
+import samplers
+from conftest import random_model
+from dllm.decode import decode
+from test_samplers import ctx_for, peaked
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
+
+
+def run(model, sampler, cache="none", gen=32, block=8, prepare=None, **params):
+    s = samplers.SAMPLERS.create(sampler, **params)
+    if prepare is not None:
+        s.prepare(prepare)
+    return decode(model, PROMPTS, s, caches.CACHES.create(cache), gen, block, stop_early=False, trace=True)
+
+
+@pytest.fixture(scope="module", params=["llada-tiny", "dream-tiny"])
+def model(request):
+    return random_model(request.param)
+
+
+def same(a, b):
+    return torch.equal(a[0].tokens, b[0].tokens) and a[1].nfe == b[1].nfe
+
+
+@pytest.mark.parametrize("base,args", [("low_confidence", {}), ("threshold", {"threshold": 0.3})])
+def test_prophet_that_never_fires_is_its_base(model, base, args):
+    never = dict(early_threshold=1e9, mid_threshold=1e9, late_threshold=1e9)
+    assert same(run(model, "prophet", base=base, **args, **never), run(model, base, **args))
+
+
+def test_prophet_fires_at_once_with_zero_threshold(model):
+    canvas, stats, _ = run(model, "prophet", early_threshold=0.0)
+    assert stats.nfe == 1 and not (canvas.tokens == model.config.mask_id).any()
+    want, _, _ = run(model, "prophet", base="threshold", threshold=0.0, block=32)  # one-shot argmax of all masks
+    assert torch.equal(canvas.tokens, want.tokens)
+
+
+def test_prophet_phases():
+    p = samplers.SAMPLERS.create("prophet")
+    assert [p.phase_threshold(t / 256) for t in (84, 85, 171, 172)] == [7.5, 5.0, 5.0, 2.5]
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+def test_credit_without_fusion_is_threshold(model, cache):
+    assert same(run(model, "credit", cache, alpha=0.0, threshold=0.3), run(model, "threshold", cache, threshold=0.3))
+
+
+def test_credit_accumulates_on_a_stable_top_token():
+    credit = samplers.SAMPLERS.create("credit", threshold=0.75)
+    probs = peaked([[0.7, 0.6]])
+    first = credit.step(ctx_for(probs, step=0, steps=8))
+    assert first.mask.tolist() == [[True, False]]  # 0.7 < 0.75 but it is the best one
+    eligible = torch.tensor([[False, True]])
+    second = credit.step(ctx_for(probs, eligible, step=1, steps=8))
+    assert second.confidence[0, 1] > 0.6 and second.tokens[0, 1] == 0
+    c = credit._credit[0, 1, 0]
+    assert abs(c - (0.7 * 0.6 ** 0.2 + 0.6 ** 0.2)) < 1e-9  # decayed first step + this step
+    assert credit._credit[0, 0].sum() == 0.7 * 0.7 ** 0.2  # committed positions earn no more credit
+
+
+@pytest.mark.parametrize("args", [dict(relaxed_threshold=0.3), dict(radius=0, relaxed_threshold=0.0)])
+def test_localleap_reduces_to_threshold(model, args):
+    assert same(run(model, "localleap", threshold=0.3, **args), run(model, "threshold", threshold=0.3))
+
+
+def test_localleap_commits_relaxed_neighbours_of_anchors():
+    probs = peaked([[0.8, 0.95, 0.8, 0.8, 0.8, 0.8, 0.8]])
+    got = samplers.SAMPLERS.create("localleap", radius=2).step(ctx_for(probs)).mask[0].tolist()
+    assert got == [True, True, True, True, False, False, False]
+    strict = samplers.SAMPLERS.create("threshold").step(ctx_for(probs)).mask[0]
+    assert (strict <= torch.tensor(got)).all()
+
+
+class Delimiters:
+    """A tokenizer stand-in: token 3 is the newline."""
+
+    def get_vocab(self):
+        return {"a": 1, "b": 2, "\n": 3}
+
+    def convert_tokens_to_string(self, tokens):
+        return "".join(tokens)
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+def test_adablock_disabled_is_fixed_blocks(model, cache):
+    ada = run(model, "adablock", cache, prepare=Delimiters(), delimiter_threshold=float("inf"), threshold=0.3)
+    assert same(ada, run(model, "threshold", cache, threshold=0.3))
+
+
+def _block_end(confidences, tokens, start=0, end=8, length=32, tau=0.3):
+    """Block end chosen from hand-made logits over [start, start + 8) of a 32-token generation."""
+    vocab = 4
+    logits = torch.full((1, len(confidences), vocab), -1e9, dtype=torch.float64)
+    for i, (c, t) in enumerate(zip(confidences, tokens)):
+        logits[0, i] = torch.log(torch.tensor([(1 - c) / (vocab - 1)] * vocab, dtype=torch.float64))
+        logits[0, i, t] = torch.log(torch.tensor(c, dtype=torch.float64))
+    ada = samplers.SAMPLERS.create("adablock", delimiter_threshold=tau)
+    ada.prepare(Delimiters())
+    C = len(confidences)
+    ctx = ctx_for(logits.exp().tolist(), steps=1)
+    ctx.positions, ctx.block_start, ctx.block_end, ctx.prompt_length = torch.arange(start, start + C), start, end, 0
+    ctx.canvas = torch.zeros(1, length, dtype=torch.long)
+    return ada.block_end(ctx)
+
+
+def test_adablock_block_rule():
+    assert _block_end([0.9] * 8, [1] * 8) == 8  # no delimiter: fixed block
+    assert _block_end([0.9, 0.2, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9], [1, 3, 1, 1, 1, 1, 1, 1]) == 8  # below tau_D
+    assert _block_end([0.9, 0.4, 0.9, 0.9, 0.8, 0.9, 0.9, 0.9], [1, 3, 1, 1, 3, 1, 1, 1]) == 5  # most confident
+    assert _block_end([0.5] + [0.9] * 7, [3] + [1] * 7) == 1  # delimiter at the block start
+    assert _block_end([0.9, 0.5, 0.5, 0.9], [1, 3, 3, 1]) == 2  # ties: lowest position
+
+
+def test_adablock_shrinks_blocks_on_a_model(model):
+    """With every token a delimiter and tau_D = 0 each block ends on its most confident position."""
+    every_token = ",".join(map(str, range(model.config.vocab_size)))
+    canvas, stats, trace = run(model, "adablock", delimiter_ids=every_token, delimiter_threshold=0.0, threshold=2.0)
+    assert not (canvas.tokens == model.config.mask_id).any()
+    assert stats.gen_tokens == 64 and stats.nfe == 32  # one token per step, blocks of any size
+    assert len({s["block"] for s in trace}) > 4  # more, smaller blocks than the 4 fixed ones
+
+
+def test_adablock_without_tokenizer_is_a_clear_error(model):
+    from dllm.errors import DllmError
+    with pytest.raises(DllmError, match="needs delimiter ids"):
+        run(model, "adablock")
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+@pytest.mark.parametrize("name", sorted(samplers.SAMPLERS.classes))
+def test_every_sampler_runs_over_every_cache(model, name, cache):
+    if name.endswith("_test"):
+        pytest.skip("registered by another test")
+    canvas, stats, trace = run(model, name, cache, prepare=Delimiters())
+    gen = canvas.tokens[:, canvas.prompt_length:]
+    assert not (gen == model.config.mask_id).any()
+    assert stats.gen_tokens == gen.numel() and stats.nfe <= 32
+    assert all(any(row) or not any(r for s in trace[i:] for r in s["commits"]) for i, s in enumerate(trace)
+               for row in s["commits"][:1])
