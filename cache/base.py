@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -34,6 +35,13 @@ class PassThrough:
     def nbytes(self) -> int:
         return 0
 
+    def fork(self, copies: int) -> "PassThrough":
+        """A view for `copies` draft canvases per row (batch `B * copies`) that counts into this one."""
+        return copy.copy(self)
+
+    def adopt(self, fork: "PassThrough", choice: Tensor) -> None:
+        """Take the state of draft `choice[b]` of each row from `fork`."""
+
 
 class KVStore(PassThrough):
     """Per-layer post-RoPE K/V of the whole canvas, `[B, Hkv, L, D]`, written in place at the active rows.
@@ -57,6 +65,19 @@ class KVStore(PassThrough):
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
+    def fork(self, copies: int) -> "KVStore":
+        """The store repeated per draft (FreeDave's batch expansion): drafts write their own rows only."""
+        view = copy.copy(self)
+        view.k = [t.repeat_interleave(copies, 0) for t in self.k]
+        view.v = [t.repeat_interleave(copies, 0) for t in self.v]
+        return view
+
+    def adopt(self, fork: "KVStore", choice: Tensor) -> None:
+        pick = torch.arange(len(choice), device=choice.device) * (fork.k[0].shape[0] // len(choice)) + choice
+        for mine, theirs in ((self.k, fork.k), (self.v, fork.v)):
+            for layer, t in enumerate(theirs):
+                mine[layer][:, :, fork.rows] = t[pick][:, :, fork.rows]
+
 
 @dataclass
 class Cache(Params):
@@ -64,6 +85,7 @@ class Cache(Params):
     are read from the store. Subclasses set `stores_kv = False` when nothing needs storing."""
 
     stores_kv: ClassVar[bool] = True
+    verifies_drafts: ClassVar[bool] = False  # True when the store is its only per-step state (`fork`/`adopt`)
 
     def new_kv(self, model, batch: int, length: int) -> PassThrough:
         cfg = model.config

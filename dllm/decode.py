@@ -121,6 +121,9 @@ def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache
     cfg = model.config
     if cfg.pad_id == cfg.mask_id:
         raise DllmError("the model's pad id equals its mask id; fix pad_token_id in config.json")
+    if sampler.drafts and not cache.verifies_drafts:
+        raise DllmError(f"sampler {sampler.name!r} verifies drafts, which cache {cache.name!r} cannot do without "
+                        f"changing its state; use cache none, prefix or dual")
     steps_per_block = check_lengths(gen_length, block_length, steps)
     canvas = Canvas.build(model, prompts, gen_length)
     batch, length = canvas.tokens.shape
@@ -131,28 +134,64 @@ def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache
     committed = torch.zeros((), dtype=torch.long, device=model.device)
     shift, prompt_length = cfg.logit_shift, canvas.prompt_length
     total_steps = steps_per_block * (gen_length // block_length)
+
+    def plan(step: int, start: int, end: int) -> tuple[int, int, slice]:
+        """Candidate window `[lo, hi)` of a step and the rows to compute for it."""
+        lo, hi = sampler.logit_window(prompt_length, length, start, end, step)
+        lo, hi = min(lo, start), max(hi, end)
+        rows = cache.active_rows(step, start, end, length, shift)
+        return lo, hi, slice(min(rows.start, lo - shift), max(rows.stop, hi - shift))  # cover the window
+
+    def forward(tokens: Tensor, kv_view, lo: int, hi: int, rows: slice) -> Tensor:
+        """Logits of canvas positions `[lo, hi)` for every row of `tokens` (the batch, or drafts of it)."""
+        copies = tokens.shape[0] // batch
+        key_mask = canvas.key_mask
+        if key_mask is not None:
+            key_mask = key_mask.repeat_interleave(copies, 0)
+            if not cache.stores_kv:
+                key_mask = key_mask[..., rows]
+        kv_view.rows = rows
+        logit_rows = torch.arange(lo - shift - rows.start, hi - shift - rows.start, device=model.device)
+        logits = model.run(tokens[:, rows], canvas.positions.repeat_interleave(copies, 0)[:, rows], key_mask,
+                           kv_view, logit_rows.expand(tokens.shape[0], -1))
+        logits[..., cfg.mask_id] = float("-inf")  # a committed position must never stay masked
+        stats.nfe += 1
+        stats.full_forwards += int(rows.stop - rows.start == length)
+        return logits
+
     start_time = time.perf_counter()
     start, block = prompt_length, 0
     while start < length and not finished.all():
         end = min(start + block_length, length)
-        step = 0
+        step, reused = 0, None  # reused: (window, logits) of a verified draft the sampler committed
         while ((canvas.tokens[:, start:end] == cfg.mask_id) & ~finished[:, None]).any():
-            lo, hi = sampler.logit_window(prompt_length, length, start, end, step)
-            lo, hi = min(lo, start), max(hi, end)
-            rows = cache.active_rows(step, start, end, length, shift)
-            rows = slice(min(rows.start, lo - shift), max(rows.stop, hi - shift))  # cover the sampler's window
-            kv.rows = rows
-            key_mask = canvas.key_mask
-            if key_mask is not None and not cache.stores_kv:
-                key_mask = key_mask[..., rows]
-            positions = torch.arange(lo, hi, device=model.device)
-            logits = model.run(canvas.tokens[:, rows], canvas.positions[:, rows], key_mask, kv,
-                               (positions - shift - rows.start).expand(batch, -1))
-            logits[..., cfg.mask_id] = float("-inf")  # a committed position must never stay masked
+            lo, hi, rows = plan(step, start, end)
+            if reused is not None and reused[0] == (lo, hi):
+                logits = reused[1]
+            else:
+                logits = forward(canvas.tokens, kv, lo, hi, rows)
             masked = (canvas.tokens[:, lo:hi] == cfg.mask_id) & ~finished[:, None]
+            positions = torch.arange(lo, hi, device=model.device)
+            drafted = {}
+
+            def verify(drafts: Tensor, step=step, start=start, end=end, lo=lo, hi=hi) -> Tensor:
+                """One forward over draft windows `[B, K, hi - lo]`: the logits `[B, K, hi - lo, V]` the next
+                step would see on each draft. The cache state is forked, never changed."""
+                next_lo, next_hi, next_rows = plan(step + 1, start, end)
+                if (next_lo, next_hi) != (lo, hi) or (cache.stores_kv and next_rows.stop - next_rows.start == length):
+                    raise DllmError(f"sampler {sampler.name!r} can only verify drafts inside a block between cache "
+                                    f"refreshes; use refresh_every=0")
+                copies = drafts.shape[1]
+                tokens = canvas.tokens.repeat_interleave(copies, 0)
+                tokens[:, lo:hi] = drafts.flatten(0, 1)
+                fork = kv.fork(copies)
+                logits = forward(tokens, fork, lo, hi, next_rows).unflatten(0, (batch, copies))
+                drafted.update(drafts=drafts, fork=fork, logits=logits)
+                return logits
+
             ctx = samplers_mod.StepContext(logits, masked & (positions < end), masked, positions, canvas.tokens,
-                                           step, steps_per_block, block, generator, stats.nfe, total_steps,
-                                           start, end, prompt_length)
+                                           step, steps_per_block, block, generator, stats.nfe - 1, total_steps,
+                                           start, end, prompt_length, verify)
             ctx.eligible &= positions >= start
             if step == 0:  # the block-start forward may move the block end (AdaBlock)
                 end = sampler.block_end(ctx)
@@ -166,8 +205,14 @@ def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache
                 raise DllmError(f"sampler {sampler.name!r} committed nothing for an unfinished row at block "
                                 f"{block} step {step}; a sampler must commit at least one position per row")
             canvas.tokens[:, lo:hi] = torch.where(commit, out.tokens, canvas.tokens[:, lo:hi])
-            stats.nfe += 1
-            stats.full_forwards += int(rows.stop - rows.start == length)
+            reused = None
+            if out.verified is not None:
+                rows_b = torch.arange(batch, device=model.device)
+                if not drafted or not torch.equal(canvas.tokens[:, lo:hi], drafted["drafts"][rows_b, out.verified]):
+                    raise DllmError(f"sampler {sampler.name!r} returned a verified draft that differs from its "
+                                    f"commits; commit exactly the chosen draft")
+                kv.adopt(drafted["fork"], out.verified)
+                reused = ((lo, hi), drafted["logits"][rows_b, out.verified])
             committed += commit.sum()
             if trace:
                 steps_trace.append(_trace_step(block, step, rows, positions, commit, out, logits))

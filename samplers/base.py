@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, ClassVar
 
 import torch
 from torch import Tensor
@@ -22,11 +23,13 @@ class StepContext:
     steps: int  # step budget of this block (used by schedule-driven samplers)
     block: int  # block index, from 0
     generator: torch.Generator
-    nfe: int  # forwards run before this one in this generation
+    nfe: int  # forwards run before the one that produced these logits
     total_steps: int  # nominal step budget of the generation (steps, default gen_length)
     block_start: int  # canvas position where the block starts
     block_end: int  # ... and ends (exclusive)
     prompt_length: int  # canvas position where the generation starts
+    forward: Callable[[Tensor], Tensor] | None = None  # drafts [B, K, C] -> the next step's logits [B, K, C, V]
+    # on each draft, in one counted forward (self-speculative verification; samplers with `drafts = True`)
 
 
 @dataclass
@@ -34,12 +37,15 @@ class Commit:
     mask: Tensor  # [B, C] bool: positions to commit (masked ones; >= 1 eligible per row that has any)
     tokens: Tensor  # [B, C] long: the token for each committed position
     confidence: Tensor  # [B, C] float: the score the choice was made on (for traces)
+    verified: Tensor | None = None  # [B] long: the draft (from ctx.forward) these commits produce; its logits
+    # become the next step's, so that step needs no forward
 
 
 @dataclass
 class Sampler(Params):
     """Base class. Subclasses implement `step`."""
 
+    drafts: ClassVar[bool] = False  # calls ctx.forward (the cache must be able to verify drafts)
     temperature: float = param(0.0, "sampling temperature (0 = greedy)", ge=0.0)
 
     def step(self, ctx: StepContext) -> Commit:

@@ -1,0 +1,78 @@
+"""Self-speculative decoding (spec adablock_selfspec.md B7): the stepwise output token for token, with fewer
+forwards; the oracle forward count; the cases it refuses."""
+import math
+
+import pytest
+import torch
+
+import cache as caches
+import samplers
+from conftest import random_model
+from dllm.decode import decode
+from dllm.errors import DllmError
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
+
+
+def run(model, sampler, cache="none", prompts=PROMPTS, **params):
+    return decode(model, prompts, samplers.SAMPLERS.create(sampler, **params), caches.CACHES.create(cache), 32, 8,
+                  stop_early=False)
+
+
+@pytest.fixture(scope="module", params=["llada-tiny", "dream-tiny"])
+def model(request):
+    return random_model(request.param)
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+def test_speculative_is_stepwise_with_fewer_forwards(model, cache):
+    want, stepwise, _ = run(model, "low_confidence", cache)
+    got, stats, _ = run(model, "speculative", cache, draft_steps=4)
+    assert torch.equal(got.tokens, want.tokens)
+    assert stats.nfe < stepwise.nfe == 32
+    assert stats.gen_tokens == stepwise.gen_tokens
+
+
+def test_one_draft_is_stepwise_forward_for_forward(model):
+    want, stepwise, _ = run(model, "low_confidence", "dual")
+    got, stats, _ = run(model, "speculative", "dual", draft_steps=1)
+    assert torch.equal(got.tokens, want.tokens) and stats.nfe == stepwise.nfe
+    assert stats.rows_per_layer == stepwise.rows_per_layer
+
+
+def test_padded_rows_match_their_prompts_alone(model):
+    batch, _, _ = run(model, "speculative", "dual")
+    for row, prompt in enumerate(PROMPTS):
+        alone, _, _ = run(model, "speculative", "dual", prompts=[prompt])
+        assert torch.equal(batch.tokens[row, batch.prompt_length:], alone.tokens[0, alone.prompt_length:])
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 8])
+def test_context_free_predictions_accept_every_draft(k):
+    """Oracle (B7.4): with attention outputs zeroed, predictions never depend on the context, so each round
+    accepts all its drafts: 1 + ceil((B - 1) / K) forwards per block of B."""
+    model = random_model("llada-tiny")
+    for layer in model.layers:
+        layer.o_proj.weight.data.zero_()
+    got, stats, _ = run(model, "speculative", "dual", prompts=PROMPTS[:1], draft_steps=k)
+    want, _, _ = run(model, "low_confidence", "dual", prompts=PROMPTS[:1])
+    assert torch.equal(got.tokens, want.tokens)
+    assert stats.nfe == 4 * (1 + math.ceil(7 / k))
+
+
+def test_refusals(model):
+    with pytest.raises(DllmError, match="greedy decoding only; set temperature=0"):
+        samplers.SAMPLERS.create("speculative", temperature=0.5)
+    with pytest.raises(DllmError, match="use refresh_every=0"):
+        decode(model, PROMPTS, samplers.SAMPLERS.create("speculative"), caches.CACHES.create("dual", refresh_every=2),
+               32, 8)
+
+    @caches.register("stateful_test")
+    class Stateful(caches.CACHES.get("dual")):
+        verifies_drafts = False
+
+    try:
+        with pytest.raises(DllmError, match="cannot do without changing its state; use cache none, prefix or dual"):
+            run(model, "speculative", "stateful_test")
+    finally:
+        caches.CACHES.classes.pop("stateful_test")
