@@ -34,6 +34,7 @@ class Stats:
     seconds: float = 0.0
     rows_per_layer: list[int] = field(default_factory=list)  # token rows computed per layer (batch summed)
     cache_bytes: int = 0  # bytes held by the K/V store
+    forward_seconds: dict[str, list[float]] = field(default_factory=dict)  # per forward, by kind (profile=True)
 
     @property
     def tpf(self) -> float:
@@ -116,8 +117,10 @@ def _finish_rows(canvas: Canvas, finished: Tensor, cfg) -> Tensor:
 @torch.no_grad()
 def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache: Cache, gen_length: int,
            block_length: int, steps: int | None = None, seed: int = 0, stop_early: bool = True,
-           trace: bool = False) -> tuple[Canvas, Stats, list[dict] | None]:
-    """Decode token-id prompts; returns the final canvas, statistics and (optionally) a per-step trace."""
+           trace: bool = False, profile: bool = False) -> tuple[Canvas, Stats, list[dict] | None]:
+    """Decode token-id prompts; returns the final canvas, statistics and (optionally) a per-step trace.
+    `profile` times every forward (synchronizing the device) into `stats.forward_seconds` by kind: `full`
+    (every canvas row computed), `cached` (the other rows read from the cache), `verify` (draft batches)."""
     cfg = model.config
     if cfg.pad_id == cfg.mask_id:
         raise DllmError("the model's pad id equals its mask id; fix pad_token_id in config.json")
@@ -152,14 +155,19 @@ def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache
                 key_mask = key_mask[..., rows]
         kv_view.rows = rows
         logit_rows = torch.arange(lo - shift - rows.start, hi - shift - rows.start, device=model.device)
+        began = _clock(model.device) if profile else 0.0
         logits = model.run(tokens[:, rows], canvas.positions.repeat_interleave(copies, 0)[:, rows], key_mask,
                            kv_view, logit_rows.expand(tokens.shape[0], -1))
         logits[..., cfg.mask_id] = float("-inf")  # a committed position must never stay masked
+        full = rows.stop - rows.start == length
+        if profile:
+            kind = "verify" if copies > 1 else "full" if full else "cached"
+            stats.forward_seconds.setdefault(kind, []).append(_clock(model.device) - began)
         stats.nfe += 1
-        stats.full_forwards += int(rows.stop - rows.start == length)
+        stats.full_forwards += int(full)
         return logits
 
-    start_time = time.perf_counter()
+    start_time = _clock(model.device)
     start, block = prompt_length, 0
     while start < length and not finished.all():
         end = min(start + block_length, length)
@@ -220,13 +228,18 @@ def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache
                 finished = _finish_rows(canvas, finished, cfg)
             step += 1
         start, block = end, block + 1
-    if model.device.type == "cuda":
-        torch.cuda.synchronize(model.device)
-    stats.seconds = time.perf_counter() - start_time
+    stats.seconds = _clock(model.device) - start_time
     stats.gen_tokens = int(committed)
     stats.rows_per_layer = list(kv.rows_per_layer)
     stats.cache_bytes = kv.nbytes
     return canvas, stats, steps_trace
+
+
+def _clock(device: torch.device) -> float:
+    """Wall-clock seconds once the device has finished its queued work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def _trace_step(block, step, rows, candidates, commit, out, logits) -> dict:

@@ -1,0 +1,69 @@
+"""`dllm bench`: the cost of one decoding configuration, measured (never estimated) on fixed random prompts.
+
+Runs with `stop_early=False`, so every run does the same work whatever the weights (random models never stop).
+Reports the median of `repeats` timed runs after one warm-up run."""
+from __future__ import annotations
+
+import platform
+import resource
+import statistics
+
+import torch
+
+from .decode import decode
+
+
+def random_prompts(model, batch_size: int, prompt_length: int, seed: int) -> list[list[int]]:
+    """The same `prompt_length` random ordinary token ids in every row."""
+    cfg = model.config
+    special = {cfg.mask_id, cfg.pad_id, cfg.filler_id, *cfg.stop_ids}
+    pool = torch.tensor([t for t in range(cfg.vocab_size) if t not in special])
+    pick = torch.randint(len(pool), (prompt_length,), generator=torch.Generator().manual_seed(seed))
+    return [pool[pick].tolist()] * batch_size
+
+
+def bench(model, sampler, cache, gen_length: int = 256, block_length: int = 32, steps: int | None = None,
+          batch_size: int = 1, prompt_length: int = 64, repeats: int = 3, seed: int = 0) -> dict:
+    prompts = random_prompts(model, batch_size, prompt_length, seed)
+    device = model.device
+    decode(model, prompts, sampler, cache, gen_length, block_length, steps, seed, stop_early=False)  # warm-up
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    runs = [decode(model, prompts, sampler, cache, gen_length, block_length, steps, seed, stop_early=False,
+                   profile=True)[1] for _ in range(repeats)]
+    stats = sorted(runs, key=lambda s: s.seconds)[len(runs) // 2]
+    length = prompt_length + gen_length
+    rows = sum(stats.rows_per_layer) / len(stats.rows_per_layer)
+    cfg = model.config
+    return {
+        "model": {"arch": cfg.arch, "parameters": cfg.num_parameters(), "dtype": str(model.dtype).removeprefix("torch.")},
+        "config": {"sampler": sampler.config(), "cache": cache.config(), "gen_length": gen_length,
+                   "block_length": block_length, "steps": steps, "batch_size": batch_size,
+                   "prompt_length": prompt_length, "repeats": repeats},
+        "seconds": stats.seconds,
+        "nfe": stats.nfe,
+        "tpf": stats.tpf,
+        "tokens_per_second": stats.tokens_per_second,
+        "ms_per_forward": {kind: 1000 * statistics.median(times) for kind, times in stats.forward_seconds.items()},
+        "forwards_by_kind": {kind: len(times) for kind, times in stats.forward_seconds.items()},
+        "rows_per_token": rows / stats.gen_tokens,  # canvas rows computed per layer per generated token
+        "rows_vs_no_cache": rows / (stats.nfe * batch_size * length),  # ... relative to recomputing every row
+        "cache_mb": stats.cache_bytes / 2**20,
+        "peak_mb": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # CPU: the process's peak RSS
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+        else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+    }
+
+
+def format_result(r: dict) -> str:
+    per_kind = ", ".join(f"{k} {v:.2f} ms x{r['forwards_by_kind'][k]}" for k, v in r["ms_per_forward"].items())
+    c = r["config"]
+    return (f"{r['model']['arch']} {r['model']['parameters'] / 1e6:.3g}M {r['model']['dtype']} | "
+            f"{c['sampler']['name']} + {c['cache']['name']} | gen {c['gen_length']} block {c['block_length']} "
+            f"batch {c['batch_size']} prompt {c['prompt_length']} | {r['device']}\n"
+            f"  {r['seconds']:.3f} s, {r['nfe']} forwards, {r['tpf']:.2f} tokens/forward, "
+            f"{r['tokens_per_second']:.1f} tokens/s\n"
+            f"  per forward: {per_kind}\n"
+            f"  rows per layer per token {r['rows_per_token']:.1f} ({r['rows_vs_no_cache']:.3f} of no cache), "
+            f"cache {r['cache_mb']:.1f} MB, peak {r['peak_mb']:.0f} MB\n")

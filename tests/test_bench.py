@@ -1,0 +1,34 @@
+"""`dllm bench`: counted costs equal their closed forms (no timing assertions)."""
+import json
+
+import pytest
+
+import cache as caches
+import samplers
+from conftest import random_model
+from dllm.bench import bench
+from dllm.cli import main
+
+
+@pytest.mark.parametrize("cache,full", [("none", 16), ("prefix", 2), ("dual", 2)])
+def test_forward_kinds_and_rows_follow_the_cache(cache, full):
+    model = random_model("llada-tiny")
+    P, G, B = 8, 16, 8
+    r = bench(model, samplers.SAMPLERS.create("low_confidence"), caches.CACHES.create(cache), G, B,
+              batch_size=2, prompt_length=P, repeats=1)
+    assert r["nfe"] == G and r["forwards_by_kind"]["full"] == full
+    assert r["forwards_by_kind"].get("cached", 0) == G - full
+    L, blocks = P + G, G // B
+    rows = {"none": G * L,
+            "prefix": sum(L + (B - 1) * (L - P - k * B) for k in range(blocks)),  # block start to canvas end
+            "dual": blocks * (L + (B - 1) * B)}[cache]
+    assert r["rows_per_token"] == pytest.approx(2 * rows / (2 * G))
+    assert r["rows_vs_no_cache"] == pytest.approx(rows / (G * L))
+
+
+def test_cli_bench_json(capsys):
+    main(["bench", "--model", "random:llada-tiny", "--cache", "dual", "--gen-length", "16", "--block-length", "8",
+          "--prompt-length", "8", "--repeats", "1", "--json"])
+    r = json.loads(capsys.readouterr().out)
+    assert r["config"]["cache"]["name"] == "dual" and r["nfe"] == 16 and r["tpf"] == 1.0
+    assert set(r["ms_per_forward"]) == {"full", "cached"} and r["cache_mb"] > 0
