@@ -1,4 +1,4 @@
-"""The `dllm` command: generate, chat, list. Flags use the Python keyword names."""
+"""The `dllm` command: generate, chat, eval, bench, list. Flags use the Python keyword names."""
 from __future__ import annotations
 
 import argparse
@@ -105,22 +105,63 @@ def _chat(args) -> int:
 
 
 def _eval(args) -> int:
+    """One configuration, the task's reference solutions (--gold), or a sweep of configurations (--sweep)."""
     import dllm
-    from eval.harness import evaluate, get_task
+    from accelerate import PartialState
+    from eval.harness import evaluate
+    from eval.sweep import run_sweep, table
+    from eval.tasks import get_task
 
     get_task(args.task)
-    sampler, cache = _policies(args)
-    model, tok = dllm.load(args.model, device=args.device, dtype=args.dtype)
-    summary = evaluate(model, tok, args.task, sampler, cache, args.gen_length, args.block_length, args.steps,
-                       args.limit, args.batch_size, args.output, args.seed, args.chat, model_name=args.model)
+    state = PartialState(cpu=args.device == "cpu")  # data-parallel over CPU processes too (gloo)
+    data_args = dict(limit=args.limit, batch_size=args.batch_size, data=args.data, num_fewshot=args.num_fewshot)
+    if args.gold:
+        if args.sweep:
+            raise DllmError("--gold scores the references without a model; drop --sweep")
+        summary = evaluate(None, None, args.task, output=args.output, gold=True, **data_args)
+    else:
+        sampler_args = _key_values(args.sampler_arg, "--sampler-arg")
+        if args.temperature is not None:
+            sampler_args["temperature"] = args.temperature
+        cache_args = _key_values(args.cache_arg, "--cache-arg")
+        sampler, cache = _policies(args)
+        device = f"cuda:{state.local_process_index}" if args.device == "cuda" else args.device  # one GPU each
+        model, tok = dllm.load(args.model, device=device, dtype=args.dtype)
+        decode_args = dict(gen_length=args.gen_length, block_length=args.block_length, steps=args.steps,
+                           seed=args.seed, chat=args.chat, model_name=args.model, **data_args)
+        if args.sweep:
+            if not args.output:
+                raise DllmError("--sweep needs --output DIR (one folder per point, sweep.json, pareto.png)")
+            result = run_sweep(model, tok, args.task, args.sweep, args.output, args.sampler, args.cache,
+                               sampler_args, cache_args, **decode_args)
+            if state.is_main_process:
+                print(json.dumps(result) if args.json else table(result), end="")
+            return 0
+        summary = evaluate(model, tok, args.task, sampler, cache, output=args.output, **decode_args)
+    if not state.is_main_process:
+        return 0
     if args.json:
         print(json.dumps(summary))
     else:
-        print(f"{summary['task']}: accuracy {summary['accuracy']:.3f} on {summary['n']} | forwards/example "
-              f"{summary['nfe_mean']:.1f} | tokens/forward {summary['tpf']:.2f} | {summary['tokens_per_second']:.1f} "
-              f"tokens/s")
+        speed = "" if args.gold else (f" | forwards/example {summary['nfe_mean']:.1f} | tokens/forward "
+                                      f"{summary['tpf']:.2f} | {summary['tokens_per_second']:.1f} tokens/s")
+        print(f"{summary['task']}: accuracy {summary['accuracy']:.3f} on {summary['n']}{speed}")
+        for name, acc in list(summary["accuracy_by_metric"].items())[1:]:
+            print(f"    {name}: {acc:.3f}")
         for group, acc in summary["per_group_accuracy"].items():
             print(f"    {group}: {acc:.3f}")
+    return 0
+
+
+def _bench(args) -> int:
+    import dllm
+    from .bench import bench, format_result
+
+    sampler, cache = _policies(args)
+    model, _ = dllm.load(args.model, device=args.device, dtype=args.dtype)
+    result = bench(model, sampler, cache, args.gen_length, args.block_length, args.steps, args.batch_size,
+                   args.prompt_length, args.repeats, args.seed)
+    print(json.dumps(result) if args.json else format_result(result), end="\n" if args.json else "")
     return 0
 
 
@@ -159,8 +200,21 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--limit", type=int, default=None, help="first N examples only")
     e.add_argument("--batch-size", type=int, default=16)
     e.add_argument("--output", default=None, help="directory for results.jsonl and summary.json (resumable)")
+    e.add_argument("--data", default=None,
+                   help="the task's records (.jsonl, .jsonl.gz or .json) instead of the packaged copy")
+    e.add_argument("--num-fewshot", type=int, default=None, help="examples before each question (default: the task's)")
+    e.add_argument("--gold", action="store_true", help="score the dataset's reference solutions (no model)")
+    e.add_argument("--sweep", action="append", default=[], metavar="KEY=VALUE[,...]",
+                   help="a configuration to add to a sweep, e.g. sampler=threshold,threshold=0.9 (repeat)")
     e.add_argument("--json", action="store_true", help="print the summary as JSON")
     e.set_defaults(run=_eval)
+    b = sub.add_parser("bench", help="time one sampler/cache: ms per forward by kind, tokens/s, rows computed")
+    _add_decoding_flags(b)
+    b.add_argument("--batch-size", type=int, default=1)
+    b.add_argument("--prompt-length", type=int, default=64, help="random prompt tokens per row")
+    b.add_argument("--repeats", type=int, default=3, help="timed runs (the median is reported) after a warm-up")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(run=_bench)
     ls = sub.add_parser("list", help="samplers, caches or models, with parameters and defaults")
     ls.add_argument("what", choices=("samplers", "caches", "models"))
     ls.add_argument("--json", action="store_true")

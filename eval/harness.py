@@ -1,13 +1,22 @@
-"""Batch evaluation: one JSON line per example, `summary.json`, resumable (finished examples are skipped)."""
+"""Batch evaluation: one JSON line per example, `summary.json`, resumable, data-parallel under `accelerate launch`.
+
+Items are cut into batches of `batch_size` in a fixed order and process r of n decodes batches r, r+n, ...,
+so a batch holds the same prompts whatever the number of processes, and a resumed run repeats whole batches
+that were not finished (writing only their missing records): every run of one configuration gives the same
+records. All processes append to one `results.jsonl` (a record is one append); the main process rewrites it
+in item order at the end and writes `summary.json`.
+"""
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -17,117 +26,181 @@ import samplers as samplers_mod
 from dllm.decode import decode, encode_prompts
 from dllm.errors import DllmError
 
-from . import synthetic
+from .tasks import Item, get_task
 
-
-@dataclass(frozen=True)
-class Item:
-    id: str
-    prompt: str
-    reference: str
-    group: str  # per-group accuracy (e.g. synthetic family)
-
-
-@dataclass(frozen=True)
-class Task:
-    name: str
-    load: Callable[[], list[Item]]
-    extract: Callable[[str], str | None]
-    is_correct: Callable[[Item, str], bool]
-
-
-def _synthetic_items() -> list[Item]:
-    """The held-out split, families interleaved so that `--limit` keeps every family."""
-    per_family = {f: synthetic.make_split("test", families=[f]) for f in synthetic.FAMILIES}
-    n = min(map(len, per_family.values()))
-    return [Item(f"{f}-{i}", per_family[f][i].prompt, per_family[f][i].answer, f)
-            for i in range(n) for f in synthetic.FAMILIES]
-
-
-TASKS: dict[str, Task] = {
-    "synthetic": Task("synthetic", _synthetic_items, synthetic.extract_answer,
-                      lambda item, text: synthetic.extract_answer(text) == synthetic.extract_answer(item.reference)),
-}
-
-
-def get_task(name: str) -> Task:
-    if name not in TASKS:
-        raise DllmError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
-    return TASKS[name]
+VERSIONED_PACKAGES = ("dllm-fast", "torch", "transformers", "tokenizers", "accelerate")
 
 
 def evaluate(model, tokenizer, task: str, sampler: str | Any = "low_confidence", cache: str | Any = "none",
              gen_length: int = 64, block_length: int = 32, steps: int | None = None, limit: int | None = None,
              batch_size: int = 16, output: str | Path | None = None, seed: int = 0, chat: bool | None = None,
-             sampler_args: dict | None = None, cache_args: dict | None = None,
-             model_name: str = "") -> dict[str, Any]:
-    """Decode every item of `task`, score it and write `output/results.jsonl` and `output/summary.json`."""
+             sampler_args: dict | None = None, cache_args: dict | None = None, model_name: str = "",
+             data: str | Path | None = None, num_fewshot: int | None = None, gold: bool = False) -> dict[str, Any]:
+    """Decode every item of `task` (or, with `gold`, take its reference solutions), score it and write
+    `output/results.jsonl` and `output/summary.json`. Returns the summary."""
+    from accelerate import PartialState
+
     spec = get_task(task)
-    sampler = samplers_mod.SAMPLERS.create(sampler, **(sampler_args or {}))
-    cache = caches.CACHES.create(cache, **(cache_args or {}))
     if batch_size < 1:
         raise DllmError(f"batch_size ({batch_size}) must be at least 1")
-    sampler.prepare(tokenizer)
-    items = spec.load()[:limit] if limit else spec.load()
+    shots = spec.default_fewshot if num_fewshot is None else num_fewshot
+    if shots < 0:
+        raise DllmError(f"num_fewshot ({shots}) must be 0 or more")
+    items, source = spec.load(None if data is None else str(data), shots)
+    items = items[:limit] if limit else items
+    config: dict[str, Any] = {"task": task, "num_fewshot": shots, "data": source, "limit": limit,
+                              "batch_size": batch_size, "gold": gold}
+    if not gold:
+        sampler = samplers_mod.SAMPLERS.create(sampler, **(sampler_args or {}))
+        cache = caches.CACHES.create(cache, **(cache_args or {}))
+        sampler.prepare(tokenizer)
+        chat = getattr(tokenizer, "chat_template", None) is not None if chat is None else chat
+        config.update(model=model_name, sampler=sampler.config(), cache=cache.config(), gen_length=gen_length,
+                      block_length=block_length, steps=steps, seed=seed, chat=chat, dtype=str(model.dtype))
+
+    state = PartialState(cpu=model is None or model.device.type != "cuda")
+    rank, world = state.process_index, state.num_processes
+    if world > 1 and output is None:
+        raise DllmError("a data-parallel evaluation needs --output DIR to collect the records of every process")
     out_dir = Path(output) if output else None
     records: dict[str, dict] = {}
-    results_file = None
     if out_dir:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        results_file = out_dir / "results.jsonl"
-        if results_file.exists():  # resume: keep every complete line
-            for line in results_file.read_text().splitlines():
-                try:
-                    rec = json.loads(line)
-                    records[rec["id"]] = rec
-                except (json.JSONDecodeError, KeyError):
-                    continue
-            results_file.write_text("".join(json.dumps(r) + "\n" for r in records.values()))
-    todo = [it for it in items if it.id not in records]
-    cfg = model.config
-    with tqdm(total=len(items), initial=len(items) - len(todo), desc=f"eval {task}") as bar:
-        for start in range(0, len(todo), batch_size):
-            batch = todo[start:start + batch_size]
-            ids = encode_prompts(tokenizer, [it.prompt for it in batch], chat)
-            canvas, stats, _ = decode(model, ids, sampler, cache, gen_length, block_length, steps, seed)
-            for row, it in enumerate(batch):
-                gen = canvas.tokens[row, canvas.prompt_length:].tolist()
-                gen = gen[:next((i for i, t in enumerate(gen) if t in cfg.stop_ids), len(gen))]
-                text = tokenizer.decode(gen, skip_special_tokens=True)
-                rec = {"id": it.id, "group": it.group, "prompt": it.prompt, "output": text,
-                       "extracted": spec.extract(text), "reference": it.reference,
-                       "correct": bool(spec.is_correct(it, text)), "forwards": stats.nfe,
-                       "gen_tokens": len(gen), "committed_tokens": stats.gen_tokens / len(batch),
-                       "seconds": stats.seconds / len(batch), "batch_size": len(batch)}
+        _check_config(out_dir, config)
+        state.wait_for_everyone()  # every process has read the old configuration before it is replaced
+        if state.is_main_process:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            _write_records(out_dir / "results.jsonl", list(_read_records(out_dir / "results.jsonl").values()))
+        state.wait_for_everyone()
+        records = _read_records(out_dir / "results.jsonl")
+
+    batches = [items[i:i + batch_size] for i in range(0, len(items), batch_size)]
+    mine = batches[rank::world]
+    todo = [b for b in mine if any(it.id not in records for it in b)]
+    total = sum(map(len, mine))
+    with ThreadPoolExecutor(os.cpu_count()) as scorer, \
+            tqdm(total=total, initial=total - sum(map(len, todo)), desc=f"eval {task}",
+                 disable=not state.is_main_process) as bar:
+        for batch in todo:
+            if gold:
+                texts, lengths, stats = [it.gold for it in batch], [0] * len(batch), None
+            else:
+                texts, lengths, stats = _decode_batch(model, tokenizer, batch, sampler, cache, gen_length,
+                                                      block_length, steps, seed, chat)
+            missing = [(i, it) for i, it in enumerate(batch) if it.id not in records]
+            scores = scorer.map(lambda pair: spec.score(pair[1], texts[pair[0]]), missing)
+            for (i, it), score in zip(missing, scores):
+                rec = _record(it, texts[i], score, lengths[i], stats, len(batch))
                 records[it.id] = rec
-                if results_file:
-                    with results_file.open("a") as f:
-                        f.write(json.dumps(rec) + "\n")
+                if out_dir:
+                    _append(out_dir / "results.jsonl", rec)
             bar.update(len(batch))
+
+    if out_dir:
+        state.wait_for_everyone()
+        records = _read_records(out_dir / "results.jsonl")
     done = [records[it.id] for it in items]
     summary = summarize(done, task)
-    summary["config"] = {"model": model_name, "sampler": sampler.config(), "cache": cache.config(),
-                         "gen_length": gen_length, "block_length": block_length, "steps": steps,
-                         "batch_size": batch_size, "seed": seed, "limit": limit, "dtype": str(model.dtype)}
-    summary["environment"] = {"torch": torch.__version__, "python": platform.python_version(),
-                              "device": str(model.device), "machine": platform.machine(),
-                              "cpu_threads": torch.get_num_threads(),
-                              "gpu": torch.cuda.get_device_name(0) if model.device.type == "cuda" else None}
-    if out_dir:
+    summary["config"] = config
+    summary["environment"] = _environment(model, world)
+    if out_dir and state.is_main_process:
+        ids = {it.id for it in items}  # records beyond a lowered --limit stay for a later run
+        _write_records(out_dir / "results.jsonl", done + [r for i, r in records.items() if i not in ids])
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _decode_batch(model, tokenizer, batch: list[Item], sampler, cache, gen_length, block_length, steps, seed,
+                  chat) -> tuple[list[str], list[int], Any]:
+    """Generated texts, their token counts (up to the first stop token) and the batch statistics."""
+    ids = encode_prompts(tokenizer, [it.prompt for it in batch], chat)
+    canvas, stats, _ = decode(model, ids, sampler, cache, gen_length, block_length, steps, seed)
+    texts, lengths = [], []
+    for row in canvas.tokens[:, canvas.prompt_length:].tolist():
+        row = row[:next((i for i, t in enumerate(row) if t in model.config.stop_ids), len(row))]
+        texts.append(tokenizer.decode([t for t in row if t < len(tokenizer)], skip_special_tokens=True))
+        lengths.append(len(row))
+    return texts, lengths, stats
+
+
+def _record(item: Item, text: str, scores: dict, gen_tokens: int, stats, batch: int) -> dict[str, Any]:
+    (extracted, correct), *_ = scores.values()
+    return {"id": item.id, "group": item.group, "prompt": item.prompt, "output": text, "extracted": extracted,
+            "reference": item.reference, "correct": bool(correct),
+            "metrics": {name: bool(ok) for name, (_, ok) in scores.items()},
+            "forwards": stats.nfe if stats else 0, "gen_tokens": gen_tokens,
+            "committed_tokens": stats.gen_tokens / batch if stats else 0,
+            "seconds": stats.seconds / batch if stats else 0.0, "batch_size": batch}
+
+
+def _read_records(path: Path) -> dict[str, dict]:
+    """Every complete record of `path` by id; a line cut short by a killed run is skipped."""
+    records: dict[str, dict] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+                records[rec["id"]] = rec
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue
+    return records
+
+
+def _append(path: Path, record: dict) -> None:
+    """Append one line with a single write, so that processes sharing the file never interleave lines."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps(record) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def _write_records(path: Path, records: list[dict]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tmp.replace(path)
+
+
+def _check_config(out_dir: Path, config: dict) -> None:
+    """Resuming is only allowed with the configuration that wrote the records (the limit may change)."""
+    path = out_dir / "config.json"
+    if not path.exists():
+        return
+    old = json.loads(path.read_text())
+    changed = sorted(k for k in set(old) | set(config) if k != "limit" and old.get(k) != config.get(k))
+    if changed:
+        raise DllmError(f"{out_dir} holds results of another configuration ({changed[0]} differs); "
+                        f"use a new --output directory")
+
+
+def _environment(model, processes: int) -> dict[str, Any]:
+    versions = {}
+    for name in VERSIONED_PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    cuda = model is not None and model.device.type == "cuda"
+    return {"python": platform.python_version(), "packages": versions, "machine": platform.machine(),
+            "processor": platform.processor(), "cpu_count": os.cpu_count(), "cpu_threads": torch.get_num_threads(),
+            "device": str(model.device) if model is not None else None,
+            "gpu": torch.cuda.get_device_name(model.device) if cuda else None, "processes": processes}
 
 
 def summarize(records: list[dict], task: str) -> dict[str, Any]:
     """Accuracy, forwards and throughput of a finished run. tpf = committed tokens per forward per sequence."""
     n = len(records)
     groups: dict[str, list[bool]] = defaultdict(list)
+    metrics: dict[str, list[bool]] = defaultdict(list)
     for r in records:
         groups[r["group"]].append(r["correct"])
+        for name, ok in r["metrics"].items():
+            metrics[name].append(ok)
     forwards = sum(r["forwards"] for r in records)
     committed = sum(r["committed_tokens"] for r in records)
     seconds = sum(r["seconds"] for r in records)
     return {"task": task, "n": n, "accuracy": sum(r["correct"] for r in records) / max(n, 1),
+            "accuracy_by_metric": {m: sum(v) / len(v) for m, v in metrics.items()},
             "nfe_mean": forwards / max(n, 1), "tpf": committed / max(forwards, 1),
             "gen_tokens_mean": sum(r["gen_tokens"] for r in records) / max(n, 1),
             "tokens_per_second": committed / seconds if seconds else 0.0, "seconds": seconds,

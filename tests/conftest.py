@@ -8,7 +8,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 sys.path.insert(0, str(ROOT))
 
-torch.set_num_threads(2)
+torch.set_num_threads(1)  # tiny models: one thread is as fast, and never oversubscribes
 
 
 def shared_path(*parts: str) -> Path:

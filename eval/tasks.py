@@ -1,0 +1,206 @@
+"""Benchmarks: prompts (few-shot as in lm-eval / the LLaDA and Fast-dLLM evals), answer extraction, scoring.
+
+Every task turns a generated text into named metrics `{name: (extracted, correct)}`, the first one being the
+task's accuracy. `gold` holds the dataset's own reference solution written as a model would write it, so
+`--gold` checks extraction and execution without a model.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+from dllm.errors import DllmError
+
+from . import math_answers, sandbox, sources, synthetic
+
+Scores = dict[str, tuple[str | None, bool]]
+
+
+@dataclass(frozen=True)
+class Item:
+    id: str
+    prompt: str
+    reference: str  # the answer, or for code the tests that follow the program
+    group: str  # per-group accuracy (synthetic family, MATH subject)
+    gold: str  # the reference solution as model output
+    setup: str = ""  # code that precedes the generated program (HumanEval's prompt, MBPP's imports)
+
+
+@dataclass(frozen=True)
+class Task:
+    load: Callable[[str | None, int], tuple[list[Item], str]]  # (data file, few-shot count) -> items, source
+    score: Callable[[Item, str], Scores]
+    default_fewshot: int = 0
+
+
+def _cut(text: str, stops: tuple[str, ...]) -> str:
+    """`text` up to the first stop string."""
+    ends = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return text[:min(ends)] if ends else text
+
+
+def _shots(rows: list[dict], k: int, task: str) -> list[dict]:
+    if k > len(rows):
+        raise DllmError(f"{task} has {len(rows)} few-shot examples; use --num-fewshot {len(rows)} or fewer")
+    return rows[:k]
+
+
+def _check_no_shots(task: str, k: int) -> None:
+    if k:
+        raise DllmError(f"{task} is evaluated zero-shot; use --num-fewshot 0")
+
+
+# --- synthetic ---
+
+def _synthetic_items(data: str | None, k: int) -> tuple[list[Item], str]:
+    """The held-out split, families interleaved so that `--limit` keeps every family."""
+    if data is not None:
+        raise DllmError("the synthetic task is generated, not read; drop --data")
+    _check_no_shots("synthetic", k)
+    per_family = {f: synthetic.make_split("test", families=[f]) for f in synthetic.FAMILIES}
+    n = min(map(len, per_family.values()))
+    items = [Item(f"{f}-{i}", per_family[f][i].prompt, per_family[f][i].final_answer, f, per_family[f][i].answer)
+             for i in range(n) for f in synthetic.FAMILIES]
+    return items, "generated:eval.synthetic"
+
+
+def _synthetic_score(item: Item, text: str) -> Scores:
+    answer = synthetic.extract_answer(text)
+    return {"exact": (answer, answer == item.reference)}
+
+
+# --- GSM8K: lm-eval's `gsm8k` task (5-shot from train, strict and flexible extraction) ---
+
+GSM8K_STOPS = ("Question:", "</s>", "<|im_end|>")
+_GSM8K_STRICT = re.compile(r"#### (-?[0-9.,]+)")
+_GSM8K_FLEXIBLE = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
+_GSM8K_IGNORE = re.compile(r",|\$|(?s:.*#### )|\.$")
+
+
+def _gsm8k_question(question: str) -> str:
+    return f"Question: {question}\nAnswer:"
+
+
+def _gsm8k_items(data: str | None, k: int) -> tuple[list[Item], str]:
+    rows, source = sources.load("gsm8k-test", data)
+    sources.require_fields(rows, ("question", "answer"), source)
+    shots, _ = sources.load("gsm8k-train") if k else ([], "")
+    context = "".join(f"{_gsm8k_question(s['question'])} {s['answer']}\n\n" for s in _shots(shots, k, "gsm8k"))
+    items = [Item(f"gsm8k-{i}", context + _gsm8k_question(r["question"]), r["answer"], "gsm8k", r["answer"])
+             for i, r in enumerate(rows)]
+    return items, source
+
+
+def _gsm8k_clean(answer: str) -> str:
+    return _GSM8K_IGNORE.sub("", answer).strip().lower()
+
+
+def _gsm8k_score(item: Item, text: str) -> Scores:
+    text = _cut(text, GSM8K_STOPS)
+    strict = _GSM8K_STRICT.search(text)
+    flexible = [next(g for g in groups if g) for groups in _GSM8K_FLEXIBLE.findall(text)]
+    target = _gsm8k_clean(item.reference)
+    out: Scores = {}
+    for name, answer in (("strict", strict[1] if strict else None), ("flexible", flexible[-1] if flexible else None)):
+        out[name] = (answer, answer is not None and _gsm8k_clean(answer) == target)
+    return out
+
+
+# --- MATH-500: boxed answers, normalized equivalence ---
+
+MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+MATH_STOPS = ("Problem:",)
+MATH_SHOT_MAX_CHARS = 300
+
+
+def _math_items(data: str | None, k: int) -> tuple[list[Item], str]:
+    rows, source = sources.load("math500-test", data)
+    sources.require_fields(rows, ("problem", "solution", "answer"), source)
+    if k:
+        pool, _ = sources.load("math-train")
+        shots = _shots([r for r in pool if len(r["solution"]) <= MATH_SHOT_MAX_CHARS], k, "math500")
+        context = "".join(f"Problem: {s['problem']}\nSolution: {s['solution']}\n\n" for s in shots)
+        prompts = [f"{context}Problem: {r['problem']}\n{MATH_INSTRUCTION}\nSolution:" for r in rows]
+    else:
+        prompts = [f"{r['problem']}\n{MATH_INSTRUCTION}" for r in rows]
+    items = [Item(r.get("unique_id", f"math500-{i}"), p, r["answer"], r.get("subject", "math"), r["solution"])
+             for i, (r, p) in enumerate(zip(rows, prompts))]
+    return items, source
+
+
+def _math_score(item: Item, text: str) -> Scores:
+    answer = math_answers.last_boxed(_cut(text, MATH_STOPS))
+    return {"boxed": (answer, math_answers.equivalent(answer, item.reference))}
+
+
+# --- code: HumanEval (completion of the prompt) and MBPP sanitized (lm-eval's 3-shot [BEGIN]/[DONE] format) ---
+
+HUMANEVAL_STOPS = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
+MBPP_STOPS = ("[DONE]",)
+_FENCED = re.compile(r"```(?:python|py)?[^\n]*\n(.*?)(?:```|$)", re.S)
+
+
+def _fenced(text: str) -> str | None:
+    m = _FENCED.search(text)
+    return m[1] if m else None
+
+
+def _run_tests(item: Item, code: str) -> bool:
+    return sandbox.run_python(f"{item.setup}{code}\n\n{item.reference}").passed
+
+
+def _humaneval_items(data: str | None, k: int) -> tuple[list[Item], str]:
+    _check_no_shots("humaneval", k)
+    rows, source = sources.load("humaneval-test", data)
+    sources.require_fields(rows, ("task_id", "prompt", "canonical_solution", "test", "entry_point"), source)
+    items = [Item(r["task_id"], r["prompt"], f"{r['test']}\n\ncheck({r['entry_point']})\n", "humaneval",
+                  r["canonical_solution"], setup=r["prompt"]) for r in rows]
+    return items, source
+
+
+def _humaneval_score(item: Item, text: str) -> Scores:
+    """A fenced block is a whole program (appended after the prompt); plain text completes the prompt."""
+    block = _fenced(text)
+    code = "\n" + block if block is not None else _cut(text, HUMANEVAL_STOPS)
+    return {"pass@1": (code, _run_tests(item, code))}
+
+
+def _mbpp_query(row: dict) -> str:
+    # the MBPP paper's prompt, as lm-eval's `mbpp` task writes it
+    tests = "\n".join(row["test_list"])
+    return (f"You are an expert Python programmer, and here is your task: {row['prompt']} "
+            f"Your code should pass these tests:\n\n{tests}\n[BEGIN]\n")
+
+
+def _mbpp_items(data: str | None, k: int) -> tuple[list[Item], str]:
+    rows, source = sources.load("mbpp-test", data)
+    fields = ("task_id", "prompt", "code", "test_list")
+    sources.require_fields(rows, fields, source)
+    shots, _ = sources.load("mbpp-prompt") if k else ([], "")
+    context = "".join(f"{_mbpp_query(s)}{s['code']}\n[DONE]\n\n" for s in _shots(shots, k, "mbpp"))
+    items = [Item(f"mbpp-{r['task_id']}", context + _mbpp_query(r), "\n".join(r["test_list"]) + "\n", "mbpp",
+                  r["code"], setup="".join(f"{line}\n" for line in r.get("test_imports", []))) for r in rows]
+    return items, source
+
+
+def _mbpp_score(item: Item, text: str) -> Scores:
+    text = _cut(text, MBPP_STOPS)
+    block = _fenced(text)
+    code = block if block is not None else text.replace("[BEGIN]", "")
+    return {"pass@1": (code, _run_tests(item, code))}
+
+
+TASKS: dict[str, Task] = {
+    "synthetic": Task(_synthetic_items, _synthetic_score),
+    "gsm8k": Task(_gsm8k_items, _gsm8k_score, default_fewshot=5),
+    "math500": Task(_math_items, _math_score),
+    "humaneval": Task(_humaneval_items, _humaneval_score),
+    "mbpp": Task(_mbpp_items, _mbpp_score, default_fewshot=3),
+}
+
+
+def get_task(name: str) -> Task:
+    if name not in TASKS:
+        raise DllmError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
+    return TASKS[name]
