@@ -10,18 +10,74 @@ from torch import Tensor
 from dllm.params import Params
 
 
+def gather_rows(t: Tensor, rows: slice | Tensor) -> Tensor:
+    """`t[:, rows]` of a `[B, L, ...]` tensor, for a slice or a `[B, A]` index of canvas rows."""
+    if isinstance(rows, slice):
+        return t[:, rows]
+    index = rows.reshape(*rows.shape, *[1] * (t.dim() - 2)).expand(*rows.shape, *t.shape[2:])
+    return t.gather(1, index)
+
+
+def write_rows(store: Tensor, dim: int, rows: slice | Tensor, valid: Tensor | None, fresh: Tensor) -> None:
+    """Write `fresh` into `store` at the canvas `rows` of its dimension `dim` (2 for `[B, H, L, D]`, 1 for
+    `[B, L, d]`). Padding slots (`valid` False) keep what the store holds."""
+    if isinstance(rows, slice):
+        store[(slice(None),) * dim + (rows,)] = fresh
+        return
+    shape = [rows.shape[0]] + [1] * (store.dim() - 1)
+    shape[dim] = rows.shape[1]
+    index = rows.reshape(shape).expand_as(fresh)
+    if valid is not None:
+        fresh = torch.where(valid.reshape(shape), fresh, store.gather(dim, index))
+    store.scatter_(dim, index, fresh)
+
+
+def index_rows(active: Tensor) -> tuple[Tensor, Tensor]:
+    """The rows of a `[B, L]` bool mask as a `[B, A]` index (ascending, A = the most any batch row has) and
+    the `[B, A]` mask of real slots. Shorter rows are padded with distinct inactive rows: computed, counted,
+    never written (see `write_rows`), so every batch row gets exactly its own rows' values."""
+    count = active.sum(1)
+    order = (~active).to(torch.uint8).argsort(dim=1, stable=True)  # active rows first, each group ascending
+    width = int(count.max())
+    return order[:, :width], torch.arange(width, device=active.device) < count[:, None]
+
+
+def row_slots(kv: "PassThrough", lo: int, hi: int, length: int, device: torch.device) -> Tensor:
+    """Where canvas rows `[lo, hi)` sit among the rows `kv` computes: `[B or 1, hi - lo]`, -1 for a row it
+    does not compute."""
+    if isinstance(kv.rows, slice):
+        return torch.arange(lo - kv.rows.start, hi - kv.rows.start, device=device)[None]
+    rows, width = kv.rows, kv.rows.shape[1]
+    slot = torch.arange(width, device=rows.device).expand_as(rows)
+    if kv.valid is not None:
+        slot = slot.masked_fill(~kv.valid, -1)
+    return torch.full((rows.shape[0], length), -1, device=rows.device).scatter(1, rows, slot)[:, lo:hi]
+
+
+def predicting_rows(positions: Tensor, shift: int) -> Tensor:
+    """The `[B, L]` rows whose hidden states score the `[B, L]` bool `positions` (row i - shift scores i)."""
+    if not shift:
+        return positions
+    rows = positions.roll(-shift, 1)
+    rows[:, -shift:] = False
+    return rows
+
+
 class PassThrough:
     """No storage: the active rows are the only keys. Counts rows computed per layer. Its no-op `expand`,
-    `attention_rows` and `observe_attention` are the hooks a cache overrides (see `dllm.models.KVAccess`)."""
+    `attention_rows` and `observe_attention` are the hooks a cache overrides (see `dllm.models.KVAccess`).
+
+    `rows` is a slice of the canvas or a `[B, A]` index; with an index, `valid` marks its real slots."""
 
     def __init__(self, n_layers: int):
         self.rows_per_layer = [0] * n_layers
-        self.rows: slice = slice(None)
+        self.rows: slice | Tensor = slice(None)
+        self.valid: Tensor | None = None
 
     def expand(self, layer: int, x: Tensor) -> tuple[Tensor, Tensor] | None:
         return None
 
-    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    def update(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         self.rows_per_layer[layer] += k.shape[0] * k.shape[2]
         return k, v
 
@@ -55,10 +111,10 @@ class KVStore(PassThrough):
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
 
-    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        super().update(layer, k, v)
-        self.k[layer][:, :, self.rows] = k
-        self.v[layer][:, :, self.rows] = v
+    def update(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        super().update(layer, q, k, v)
+        write_rows(self.k[layer], 2, self.rows, self.valid, k)
+        write_rows(self.v[layer], 2, self.rows, self.valid, v)
         return self.k[layer], self.v[layer]
 
     @property
@@ -79,10 +135,29 @@ class KVStore(PassThrough):
                 mine[layer][:, :, fork.rows] = t[pick][:, :, fork.rows]
 
 
+class DelayedKVStore(KVStore):
+    """A KVStore that remembers which positions were masked when the previous forward was planned, so that a
+    token committed since is recomputed once with its real token before the store serves it (the one-step
+    delay of dKV-Cache, and Elastic-Cache's newly decoded set)."""
+
+    def __init__(self, model, batch: int, length: int):
+        cfg = model.config
+        super().__init__(cfg.n_layers, batch, cfg.n_kv_heads, length, cfg.head_dim, model.dtype, model.device)
+        self.arch, self.mask_id = cfg.arch, cfg.mask_id
+        self.masked_before: Tensor | None = None  # None until the first forward
+
+    def advance(self, tokens: Tensor) -> tuple[Tensor, Tensor | None]:
+        """(masked now, masked at the previous forward); remembers now for the next one."""
+        masked = tokens == self.mask_id
+        before, self.masked_before = self.masked_before, masked
+        return masked, before
+
+
 @dataclass
 class Cache(Params):
-    """A cache policy. `active_rows` picks the canvas rows computed at a step of a block; all other rows
-    are read from the store. Subclasses set `stores_kv = False` when nothing needs storing."""
+    """A cache policy: `plan` picks the canvas rows computed at each forward; all other rows are read from
+    the store. Block policies implement `active_rows`; subclasses set `stores_kv = False` when nothing needs
+    storing."""
 
     stores_kv: ClassVar[bool] = True
     verifies_drafts: ClassVar[bool] = False  # True when the store is its only per-step state (`fork`/`adopt`)
@@ -92,6 +167,16 @@ class Cache(Params):
         if not self.stores_kv:
             return PassThrough(cfg.n_layers)
         return KVStore(cfg.n_layers, batch, cfg.n_kv_heads, length, cfg.head_dim, model.dtype, model.device)
+
+    def plan(self, kv: PassThrough, canvas, sampler, step: int, start: int, end: int, lo: int, hi: int,
+             shift: int) -> slice | Tensor:
+        """Rows to compute at `step` of the block `[start, end)` when canvas positions `[lo, hi)` need logits:
+        a slice, or a `[B, A]` index (then the plan also sets `kv.valid`). Called once before each forward;
+        it may advance the per-generation state kept in `kv`. A position whose scoring row is not computed
+        gets no prediction, so every position the sampler may commit must be covered. Default: the block
+        policy's `active_rows`, widened to the whole window."""
+        rows = self.active_rows(step, start, end, canvas.tokens.shape[1], shift)
+        return slice(min(rows.start, lo - shift), max(rows.stop, hi - shift))
 
     def active_rows(self, step: int, start: int, end: int, length: int, shift: int) -> slice:
         """Rows to compute at `step` (0 = first step) of the block `[start, end)` of a canvas of `length`;

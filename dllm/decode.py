@@ -138,28 +138,30 @@ def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache
     shift, prompt_length = cfg.logit_shift, canvas.prompt_length
     total_steps = steps_per_block * (gen_length // block_length)
 
-    def plan(step: int, start: int, end: int) -> tuple[int, int, slice]:
+    def plan(step: int, start: int, end: int) -> tuple[int, int, slice | Tensor]:
         """Candidate window `[lo, hi)` of a step and the rows to compute for it."""
         lo, hi = sampler.logit_window(prompt_length, length, start, end, step)
         lo, hi = min(lo, start), max(hi, end)
-        rows = cache.active_rows(step, start, end, length, shift)
-        return lo, hi, slice(min(rows.start, lo - shift), max(rows.stop, hi - shift))  # cover the window
+        return lo, hi, cache.plan(kv, canvas, sampler, step, start, end, lo, hi, shift)
 
-    def forward(tokens: Tensor, kv_view, lo: int, hi: int, rows: slice) -> Tensor:
+    def forward(tokens: Tensor, kv_view, lo: int, hi: int, rows: slice | Tensor) -> Tensor:
         """Logits of canvas positions `[lo, hi)` for every row of `tokens` (the batch, or drafts of it)."""
         copies = tokens.shape[0] // batch
-        key_mask = canvas.key_mask
-        if key_mask is not None:
-            key_mask = key_mask.repeat_interleave(copies, 0)
-            if not cache.stores_kv:
-                key_mask = key_mask[..., rows]
+        key_mask, positions = canvas.key_mask, canvas.positions
+        if copies > 1:
+            positions = positions.repeat_interleave(copies, 0)
+            key_mask = None if key_mask is None else key_mask.repeat_interleave(copies, 0)
+        if key_mask is not None and not cache.stores_kv:
+            key_mask = key_mask[..., rows]
         kv_view.rows = rows
-        logit_rows = torch.arange(lo - shift - rows.start, hi - shift - rows.start, device=model.device)
+        slots = caches.row_slots(kv_view, lo - shift, hi - shift, length, model.device).expand(tokens.shape[0], -1)
+        computed = kv_view.rows_per_layer[0]
         began = _clock(model.device) if profile else 0.0
-        logits = model.run(tokens[:, rows], canvas.positions.repeat_interleave(copies, 0)[:, rows], key_mask,
-                           kv_view, logit_rows.expand(tokens.shape[0], -1))
+        logits = model.run(caches.gather_rows(tokens, rows), caches.gather_rows(positions, rows), key_mask,
+                           kv_view, slots.clamp(min=0))
+        logits[slots < 0] = 0.0  # rows served from the store predict nothing (not committable this step)
         logits[..., cfg.mask_id] = float("-inf")  # a committed position must never stay masked
-        full = rows.stop - rows.start == length
+        full = kv_view.rows_per_layer[0] - computed == tokens.shape[0] * length  # layer 0 computed every row
         if profile:
             kind = "verify" if copies > 1 else "full" if full else "cached"
             stats.forward_seconds.setdefault(kind, []).append(_clock(model.device) - began)
@@ -173,6 +175,7 @@ def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache
         end = min(start + block_length, length)
         step, reused = 0, None  # reused: (window, logits) of a verified draft the sampler committed
         while ((canvas.tokens[:, start:end] == cfg.mask_id) & ~finished[:, None]).any():
+            counted = list(kv.rows_per_layer)
             lo, hi, rows = plan(step, start, end)
             if reused is not None and reused[0] == (lo, hi):
                 logits = reused[1]
@@ -223,7 +226,8 @@ def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache
                 reused = ((lo, hi), drafted["logits"][rows_b, out.verified])
             committed += commit.sum()
             if trace:
-                steps_trace.append(_trace_step(block, step, rows, positions, commit, out, logits))
+                rows_per_layer = [now - before for now, before in zip(kv.rows_per_layer, counted)]
+                steps_trace.append(_trace_step(block, step, rows_per_layer, positions, commit, out, logits))
             if stop_early:
                 finished = _finish_rows(canvas, finished, cfg)
             step += 1
@@ -242,10 +246,10 @@ def _clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def _trace_step(block, step, rows, candidates, commit, out, logits) -> dict:
+def _trace_step(block, step, rows_per_layer, candidates, commit, out, logits) -> dict:
     top2 = torch.softmax(logits.double(), -1).topk(2, dim=-1).values
     gap = top2[..., 0] - top2[..., 1]
-    return {"block": block, "step": step, "rows": [rows.start, rows.stop],
+    return {"block": block, "step": step, "rows_per_layer": rows_per_layer,
             "commits": [[{"position": int(candidates[c]), "token": int(out.tokens[b, c]),
                           "confidence": float(out.confidence[b, c]), "top2_gap": float(gap[b, c])}
                          for c in commit[b].nonzero()[:, 0].tolist()] for b in range(commit.shape[0])]}

@@ -46,6 +46,7 @@ class Sampler(Params):
     """Base class. Subclasses implement `step`."""
 
     drafts: ClassVar[bool] = False  # calls ctx.forward (the cache must be able to verify drafts)
+    commits_known_ahead: ClassVar[bool] = False  # `next_commits` names the next step's commits (dKV-Cache-Greedy)
     temperature: float = param(0.0, "sampling temperature (0 = greedy)", ge=0.0)
 
     def step(self, ctx: StepContext) -> Commit:
@@ -56,8 +57,14 @@ class Sampler(Params):
 
     def logit_window(self, prompt_length: int, length: int, start: int, end: int, step: int) -> tuple[int, int]:
         """Hook: canvas range `[lo, hi)` whose logits this step needs (default: the block). The loop widens
-        the computed rows to cover it, and counts them."""
+        the computed rows to cover it, and counts them (dkv, dkv_greedy and elastic compute only the rows of
+        positions that may be committed; the others, served from the store, get zero logits)."""
         return start, end
+
+    def next_commits(self) -> Tensor | None:
+        """Hook of samplers with `commits_known_ahead`: the `[B, L]` canvas positions the next step will commit,
+        fixed by the last `step`, before that step's forward."""
+        return None
 
     def block_end(self, ctx: StepContext) -> int:
         """Hook, called after each block-start forward: where this block ends (AdaBlock)."""

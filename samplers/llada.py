@@ -2,9 +2,11 @@
 a fixed number of tokens per step from the linear schedule, chosen by confidence or at random."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 import torch
+from torch import Tensor
 
 from . import register
 from .base import Commit, Sampler, StepContext, gumbel_argmax, quota, token_probability, top_k_per_row
@@ -24,10 +26,25 @@ class LowConfidence(Sampler):
 @register("random")
 @dataclass
 class RandomRemasking(Sampler):
-    """LLaDA random remasking: commit the scheduled number of predictions at random positions."""
+    """LLaDA random remasking: commit the scheduled number of predictions at random positions.
+
+    The random order is drawn once per block (as dKV-Cache-Greedy's reference does; the same law as fresh
+    draws every step), so the next step's commits are known before its forward."""
+
+    commits_known_ahead: ClassVar[bool] = True
+    _order: Tensor | None = field(default=None, init=False, repr=False)  # [B, C] scores of the block
+    _next: Tensor | None = field(default=None, init=False, repr=False)  # [B, L] next step's commits
 
     def step(self, ctx: StepContext) -> Commit:
         tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generator)
-        confidence = torch.rand(ctx.eligible.shape, dtype=torch.float64, device=ctx.logits.device,
-                                generator=ctx.generator)
-        return Commit(top_k_per_row(confidence, ctx.eligible, quota(ctx)), tokens, confidence)
+        if ctx.step == 0:
+            self._order = torch.rand(ctx.eligible.shape, dtype=torch.float64, device=ctx.logits.device,
+                                     generator=ctx.generator)
+        mask = top_k_per_row(self._order, ctx.eligible, quota(ctx))
+        following = replace(ctx, eligible=ctx.eligible & ~mask, step=ctx.step + 1)
+        self._next = torch.zeros_like(ctx.canvas, dtype=torch.bool)
+        self._next[:, ctx.positions] = top_k_per_row(self._order, following.eligible, quota(following))
+        return Commit(mask, tokens, self._order)
+
+    def next_commits(self) -> Tensor | None:
+        return self._next

@@ -53,8 +53,8 @@ class KVAccess(Protocol):
 
     - `expand(layer, x)`: sees the layer input of the active rows; returns `(x, positions)` of *all* canvas
       rows to recompute everything from this layer on (Elastic-Cache), or None.
-    - `update(layer, k, v)`: writes the fresh post-RoPE K/V of the active rows, returns the keys/values the
-      queries attend to (`[B, Hkv, Lk, D]`).
+    - `update(layer, q, k, v)`: writes the fresh post-RoPE K/V (and, for caches that keep them, queries) of
+      the active rows, returns the keys/values the queries attend to (`[B, Hkv, Lk, D]`).
     - `attention_rows(layer)`: indices into the active rows whose attention probabilities the cache wants,
       delivered to `observe_attention(layer, probs [B, H, R, Lk])`; None for none.
     """
@@ -63,7 +63,7 @@ class KVAccess(Protocol):
 
     def expand(self, layer: int, x: Tensor) -> tuple[Tensor, Tensor] | None: ...
 
-    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
+    def update(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
 
     def attention_rows(self, layer: int) -> Tensor | None: ...
 
@@ -95,6 +95,16 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (xf * cos + rotated * sin).to(x.dtype)
 
 
+def attention_probabilities(q: Tensor, k: Tensor, key_mask: Tensor | None) -> Tensor:
+    """softmax(q k^T / sqrt(D)) in fp32, `[B, H, R, Lk]`, for queries `[B, H, R, D]` and keys `[B, Hkv, Lk, D]`
+    (GQA heads expanded); fused SDPA cannot return probabilities, so this is the small explicit path."""
+    k = k.float().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    scores = q.float() @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if key_mask is not None:
+        scores = scores.masked_fill(~key_mask, float("-inf"))
+    return scores.softmax(-1)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -118,7 +128,7 @@ class Block(nn.Module):
         v = rearrange(self.v_proj(h), "b a (h d) -> b h a d", h=self.n_kv_heads)
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         if kv is not None:
-            k, v = kv.update(layer, k, v)
+            k, v = kv.update(layer, q, k, v)
             probe = kv.attention_rows(layer)
             if probe is not None:
                 kv.observe_attention(layer, self.attention_probs(q, k, key_mask, probe))
@@ -130,14 +140,9 @@ class Block(nn.Module):
 
 
     def attention_probs(self, q: Tensor, k: Tensor, key_mask: Tensor | None, probe: Tensor) -> Tensor:
-        """Softmax attention of the query rows `probe` `[B, R]` (fp32), `[B, H, R, Lk]`; fused SDPA cannot
-        return probabilities, so this is the small explicit path."""
-        q = q.gather(2, probe[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[-1])).float()
-        k = k.float().repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
-        scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
-        if key_mask is not None:
-            scores = scores.masked_fill(~key_mask, float("-inf"))
-        return scores.softmax(-1)
+        """Softmax attention of the query rows `probe` `[B, R]` (fp32), `[B, H, R, Lk]`."""
+        index = probe[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[-1])
+        return attention_probabilities(q.gather(2, index), k, key_mask)
 
 
 class DiffusionLM(nn.Module):

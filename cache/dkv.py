@@ -1,0 +1,101 @@
+"""dKV-Cache (Ma et al., arXiv 2505.15781; spec `dkv_elastic_cache.md` 3.3-3.4): delayed caching of decoded
+tokens' keys and values.
+
+A token's K/V enter the store one step after it is decoded, from the forward where its real token is first an
+input (the one-step delay, paper Eq. 4). The computed rows are any subset of the canvas, gathered with their
+original positions (RoPE) and written back in place; the reference's concat-and-reorder key layout is not
+needed with the full-length store (spec section 2).
+
+Deviations: ragged batches are supported (per-row rows padded, see `index_rows`; the reference requires equal
+counts); dkv_greedy runs on Dream with the logit shift applied to its scheduled rows [R] (the reference is
+LLaDA only); the window anchors are processed in position order (the reference follows the random order)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+import samplers as samplers_mod
+from dllm.errors import DllmError
+from dllm.params import param
+
+from . import register
+from .base import Cache, DelayedKVStore, index_rows, predicting_rows
+
+DECODE_REFRESH = {"llada": 8, "dream": 4}  # paper Tables 1-3 (LLaDA-8B-Instruct / Dream-Base-7B)
+
+
+@register("dkv")
+@dataclass
+class DkvDecode(Cache):
+    """dKV-Cache-Decode: reuse decoded tokens' K/V, cached one step after they are decoded.
+
+    Every masked row is recomputed each step, every row every `refresh_every` steps of a block."""
+
+    refresh_every: int | None = param(None, "recompute every row every k steps of a block (None: 8 for LLaDA, "
+                                      "4 for Dream, the papers' settings; 1 = no cache)", ge=1)
+
+    def new_kv(self, model, batch: int, length: int) -> DelayedKVStore:
+        return DelayedKVStore(model, batch, length)
+
+    def plan(self, kv, canvas, sampler, step, start, end, lo, hi, shift):
+        """Step 0 and every `refresh_every`-th step of a block recompute everything (LLaDA's reference also
+        step 1, whose step 0 writes no cache; Dream's does not). Otherwise the rows not yet decoded when the
+        previous step was planned: the masks and the tokens decoded at the previous step. For Dream, row j is
+        kept while token j + 1 is masked, its prediction (the reference's `shift_type='un'`)."""
+        _, masked_before = kv.advance(canvas.tokens)
+        period = self.refresh_every or DECODE_REFRESH[kv.arch]
+        kv.valid = None
+        if step % period == 0 or (step == 1 and kv.arch == "llada"):
+            return slice(0, canvas.tokens.shape[1])
+        rows, kv.valid = index_rows(predicting_rows(masked_before, shift))
+        return rows
+
+
+@register("dkv_greedy")
+@dataclass
+class DkvGreedy(Cache):
+    """dKV-Cache-Greedy: recompute only the next commits, the last commits and a window of masked neighbours.
+
+    Needs a sampler whose next commits are known before the forward (random)."""
+
+    refresh_every: int = param(2, "recompute every row every k steps of a block (paper: 2; 1 = no cache)", ge=1)
+    window: int = param(4, "masked neighbours recomputed around each anchor, alternately left and right "
+                        "(paper: 4, 2 for MBPP)", ge=0)
+    window_anchor: str = param("next", "anchor the window on the tokens committed next (reference code) or "
+                               "just committed (paper text)", choices=("next", "prev"))
+
+    def new_kv(self, model, batch: int, length: int) -> DelayedKVStore:
+        return DelayedKVStore(model, batch, length)
+
+    def plan(self, kv, canvas, sampler, step, start, end, lo, hi, shift):
+        if not sampler.commits_known_ahead:
+            known = ", ".join(cls.name for cls in samplers_mod.SAMPLERS if cls.commits_known_ahead)
+            raise DllmError(f"cache 'dkv_greedy' needs a sampler whose next commits are known before the forward "
+                            f"({known}); sampler {sampler.name!r} chooses them from the logits")
+        masked, masked_before = kv.advance(canvas.tokens)
+        kv.valid = None
+        if step % self.refresh_every == 0:
+            return slice(0, canvas.tokens.shape[1])
+        committed = masked_before & ~masked
+        scheduled = sampler.next_commits()
+        anchors = scheduled if self.window_anchor == "next" else committed
+        near = neighbours(anchors, masked & ~scheduled, self.window)
+        rows, kv.valid = index_rows(committed | predicting_rows(scheduled | near, shift))
+        return rows
+
+
+def neighbours(anchors: Tensor, free: Tensor, count: int) -> Tensor:
+    """`[B, L]`: for each anchor in position order, the `count` nearest `free` positions not taken yet,
+    scanning left and right alternately from distance 1 (left first), as dKV-Cache's `find_window_tokens`."""
+    taken = torch.zeros_like(free)
+    if count == 0:
+        return taken
+    canvas = torch.arange(free.shape[1], device=free.device)
+    for row, anchor in anchors.nonzero().tolist():
+        distance = 2 * (canvas - anchor).abs() - (canvas < anchor).long()  # left at d: 2d - 1, right: 2d
+        candidates = (free[row] & ~taken[row]).nonzero()[:, 0]
+        order = distance[candidates].argsort(stable=True)
+        taken[row, candidates[order[:count]]] = True
+    return taken
