@@ -2,20 +2,11 @@
 import json
 
 import pytest
-import torch
 
 from dllm.cli import main
 from dllm.errors import DllmError
 from eval.sweep import aup, pareto_front, parse_point
 
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """The tiny models run far faster on one thread than on two contended cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_aup_reference_value():

@@ -13,7 +13,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 import dllm
 from conftest import ROOT, shared_path
@@ -25,14 +24,6 @@ from eval.tasks import get_task
 SLOW = pytest.mark.skipif(not os.environ.get("DLLM_SLOW_TESTS"), reason="slow: set DLLM_SLOW_TESTS=1")
 ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
 
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """The tiny models run far faster on one thread than on two contended cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _items(task, k=None, data=None):

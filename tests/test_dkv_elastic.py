@@ -34,15 +34,6 @@ def capture_kv(cache):
     return cache
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: a second thread costs more in hand-offs than it saves (several times on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module", params=["llada-tiny", "dream-tiny"])
 def model(request):
     return random_model(request.param)

@@ -6,7 +6,6 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import dllm
-from dllm.errors import DllmError
 from dllm.loading import load_weights, save_pretrained, weight_names
 from dllm.models import DiffusionLM, llada, dream
 from conftest import shared_path
