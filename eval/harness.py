@@ -130,7 +130,8 @@ def _record(item: Item, text: str, scores: dict, gen_tokens: int, stats, batch: 
             "metrics": {name: bool(ok) for name, (_, ok) in scores.items()},
             "forwards": stats.nfe if stats else 0, "gen_tokens": gen_tokens,
             "committed_tokens": stats.gen_tokens / batch if stats else 0,
-            "seconds": stats.seconds / batch if stats else 0.0, "batch_size": batch}
+            "seconds": stats.seconds / batch if stats else 0.0, "batch_size": batch,
+            "rows_per_layer": sum(stats.rows_per_layer) / len(stats.rows_per_layer) / batch if stats else 0.0}
 
 
 def _read_records(path: Path) -> dict[str, dict]:
@@ -204,5 +205,6 @@ def summarize(records: list[dict], task: str) -> dict[str, Any]:
             "nfe_mean": forwards / max(n, 1), "tpf": committed / max(forwards, 1),
             "gen_tokens_mean": sum(r["gen_tokens"] for r in records) / max(n, 1),
             "tokens_per_second": committed / seconds if seconds else 0.0, "seconds": seconds,
+            "rows_per_layer_mean": sum(r.get("rows_per_layer", 0.0) for r in records) / max(n, 1),  # cache cost
             "per_group_accuracy": {g: sum(v) / len(v) for g, v in sorted(groups.items())},
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")}

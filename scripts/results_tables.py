@@ -1,0 +1,85 @@
+"""The result tables of RESULTS.md: every sampler at its paper defaults (cache none) and every cache under
+threshold decoding, on the synthetic held-out set of a model. Each configuration is a resumable `dllm eval`
+run in its own folder under `--output`.
+
+    python scripts/results_tables.py --model tiny-llada --output runs/tables
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import dllm  # noqa: E402
+from eval.harness import evaluate  # noqa: E402
+from eval.synthetic import FAMILIES  # noqa: E402
+
+# paper defaults that depend on the model: AdaBlock's delimiter threshold, FreeDave's draft count
+ARCH_DEFAULTS = {"llada": {"delimiter_threshold": 0.3, "draft_steps": 4},
+                 "dream": {"delimiter_threshold": 0.5, "draft_steps": 8}}
+
+
+def sampler_points(arch: str) -> list[tuple[str, str, dict]]:
+    d = ARCH_DEFAULTS[arch]
+    return [("low_confidence", "low_confidence", {}), ("random", "random", {}),
+            ("threshold 0.9", "threshold", {"threshold": 0.9}), ("factor 1.0", "factor", {}),
+            ("origin", "origin", {}), ("maskgit_plus", "maskgit_plus", {}), ("topk_margin", "topk_margin", {}),
+            ("entropy", "entropy", {}), ("prophet", "prophet", {}), ("credit", "credit", {}),
+            ("localleap", "localleap", {}),
+            (f"adablock tau_D={d['delimiter_threshold']}", "adablock",
+             {"delimiter_threshold": d["delimiter_threshold"]}),
+            (f"speculative K={d['draft_steps']}", "speculative", {"draft_steps": d["draft_steps"]})]
+
+
+CACHE_POINTS = [("none", "threshold", "none"), ("prefix", "threshold", "prefix"), ("dual", "threshold", "dual"),
+                ("dkv", "threshold", "dkv"), ("dkv_greedy (random sampler)", "random", "dkv_greedy"),
+                ("elastic", "threshold", "elastic")]
+
+
+def run(model, tok, name, out: Path, sampler, cache, sampler_args, args) -> dict:
+    return evaluate(model, tok, "synthetic", sampler, cache, gen_length=args.gen_length,
+                    block_length=args.block_length, limit=args.limit, batch_size=args.batch_size,
+                    output=out / name.replace(" ", "_"), sampler_args=sampler_args, model_name=args.model)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny-llada")
+    ap.add_argument("--output", default="runs/tables")
+    ap.add_argument("--gen-length", type=int, default=64)
+    ap.add_argument("--block-length", type=int, default=32)
+    ap.add_argument("--batch-size", type=int, default=50)
+    ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--only", choices=("samplers", "caches"), default=None)
+    args = ap.parse_args()
+    model, tok = dllm.load(args.model)
+    out = Path(args.output) / args.model
+    lines = []
+    if args.only != "caches":
+        lines += [f"Samplers on {args.model} (cache none, gen {args.gen_length}, block {args.block_length}):", "",
+                  "| sampler | accuracy % | " + " | ".join(FAMILIES) + " | forwards | tokens/forward | tokens/s |",
+                  "|---" * (5 + len(FAMILIES)) + "|"]
+        for name, sampler, sampler_args in sampler_points(model.config.arch):
+            s = run(model, tok, name, out / "samplers", sampler, "none", sampler_args, args)
+            fam = " | ".join(f"{100 * s['per_group_accuracy'][f]:.1f}" for f in FAMILIES)
+            lines.append(f"| {name} | {100 * s['accuracy']:.1f} | {fam} | {s['nfe_mean']:.1f} | {s['tpf']:.2f} | "
+                         f"{s['tokens_per_second']:.0f} |")
+        lines.append("")
+    if args.only != "samplers":
+        lines += [f"Caches on {args.model} (threshold 0.9, gen {args.gen_length}, block {args.block_length}):", "",
+                  "| cache | accuracy % | forwards | tokens/forward | rows computed vs none | tokens/s |",
+                  "|---|---|---|---|---|---|"]
+        base = None
+        for name, sampler, cache in CACHE_POINTS:
+            s = run(model, tok, name, out / "caches", sampler, cache, {"threshold": 0.9} if sampler == "threshold"
+                    else {}, args)
+            base = base or s["rows_per_layer_mean"]
+            lines.append(f"| {name} | {100 * s['accuracy']:.1f} | {s['nfe_mean']:.1f} | {s['tpf']:.2f} | "
+                         f"{s['rows_per_layer_mean'] / base:.3f} | {s['tokens_per_second']:.0f} |")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
