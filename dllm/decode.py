@@ -159,7 +159,8 @@ def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache
         began = _clock(model.device) if profile else 0.0
         logits = model.run(caches.gather_rows(tokens, rows), caches.gather_rows(positions, rows), key_mask,
                            kv_view, slots.clamp(min=0))
-        logits[slots < 0] = 0.0  # rows served from the store predict nothing (not committable this step)
+        if not isinstance(rows, slice):  # rows served from the store predict nothing (not committable this step)
+            logits[slots < 0] = 0.0
         logits[..., cfg.mask_id] = float("-inf")  # a committed position must never stay masked
         full = kv_view.rows_per_layer[0] - computed == tokens.shape[0] * length  # layer 0 computed every row
         if profile:
