@@ -1,7 +1,7 @@
 """`dllm bench`: the cost of one decoding configuration, measured (never estimated) on fixed random prompts.
 
 Runs with `stop_early=False`, so every run does the same work whatever the weights (random models never stop).
-Reports the median of `repeats` timed runs after one warm-up run."""
+Reports the median of `repeats` timed runs after a one-block warm-up run."""
 from __future__ import annotations
 
 import platform
@@ -26,7 +26,7 @@ def bench(model, sampler, cache, gen_length: int = 256, block_length: int = 32, 
           batch_size: int = 1, prompt_length: int = 64, repeats: int = 3, seed: int = 0) -> dict:
     prompts = random_prompts(model, batch_size, prompt_length, seed)
     device = model.device
-    decode(model, prompts, sampler, cache, gen_length, block_length, steps, seed, stop_early=False)  # warm-up
+    decode(model, prompts, sampler, cache, block_length, block_length, None, seed, stop_early=False)  # warm-up
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     runs = [decode(model, prompts, sampler, cache, gen_length, block_length, steps, seed, stop_early=False,
