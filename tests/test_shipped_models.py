@@ -1,0 +1,50 @@
+"""The shipped tiny models: they load by name, decode held-out items correctly and deterministically, and show
+the behaviour the sampler papers measure (threshold decoding: fewer forwards, same answers; speculative
+decoding: the vanilla tokens with fewer forwards)."""
+import pytest
+import torch
+
+import dllm
+from dllm.cli import main
+from eval.synthetic import make_split, score
+
+# the families both models have learned (RESULTS.md has every family)
+HELD_OUT = [ex for f in ("copy", "reverse") for ex in make_split("test", 3, families=[f])]
+MODELS = ["tiny-llada"]
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def shipped(request):
+    return dllm.load(request.param)
+
+
+def answers(model, tok, **kwargs):
+    return dllm.generate(model, tok, [ex.prompt for ex in HELD_OUT], gen_length=64, block_length=32, **kwargs)
+
+
+def test_vanilla_decoding_is_correct_and_deterministic(shipped):
+    out = answers(*shipped)
+    assert [score(ex, text) for ex, text in zip(HELD_OUT, out.texts)] == [True] * len(HELD_OUT), out.texts
+    assert answers(*shipped).token_ids == out.token_ids
+
+
+def test_threshold_decoding_keeps_the_answers_with_fewer_forwards(shipped):
+    fast = answers(*shipped, sampler="threshold", cache="dual", threshold=0.9)
+    assert [score(ex, text) for ex, text in zip(HELD_OUT, fast.texts)] == [True] * len(HELD_OUT), fast.texts
+    assert fast.stats.tpf >= 2.0
+
+
+@pytest.mark.parametrize("cache", ["none", "dual"])
+def test_speculative_is_vanilla_with_fewer_forwards(shipped, cache):
+    model, tok = shipped
+    prompts = [ex.prompt for ex in HELD_OUT[::2]]  # a batch of 3, both families
+    args = dict(gen_length=64, block_length=32, cache=cache, stop_early=False)
+    vanilla = dllm.generate(model, tok, prompts, **args)
+    fast = dllm.generate(model, tok, prompts, sampler="speculative", draft_steps=4, **args)
+    assert torch.equal(fast.sequences, vanilla.sequences)
+    assert fast.stats.nfe < vanilla.stats.nfe
+
+
+def test_cli_default_model_is_tiny_llada(capsys):
+    assert main(["generate", HELD_OUT[0].prompt, "--json"]) == 0
+    assert HELD_OUT[0].answer in capsys.readouterr().out
