@@ -119,7 +119,10 @@ def load_dir(path: Path, device="cpu", dtype: torch.dtype | None = None):
 
 def load_tokenizer(path: Path, arch):
     from transformers import AutoTokenizer
+    from transformers.utils import logging
 
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()  # AutoTokenizer warns that it does not know our model types; it needs not
     try:
         tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     except Exception as e:  # Dream ships a remote-code tokenizer class; its vocab files are plain Qwen2
@@ -128,6 +131,8 @@ def load_tokenizer(path: Path, arch):
         from transformers import Qwen2Tokenizer
 
         tok = Qwen2Tokenizer.from_pretrained(str(path))
+    finally:
+        logging.set_verbosity(verbosity)
     tok.padding_side = "left"
     return tok
 
