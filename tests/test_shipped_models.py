@@ -8,12 +8,17 @@ import dllm
 from dllm.cli import main
 from eval.synthetic import make_split, score
 
-# the families both models have learned (RESULTS.md has every family)
+# families tiny-llada has learned (RESULTS.md has every family; tiny-dream has learned none yet, so it is
+# checked for determinism and the lossless speculative decoding only)
 HELD_OUT = [ex for f in ("copy", "reverse") for ex in make_split("test", 3, families=[f])]
-MODELS = ["tiny-llada"]
 
 
-@pytest.fixture(scope="module", params=MODELS)
+@pytest.fixture(scope="module")
+def llada():
+    return dllm.load("tiny-llada")
+
+
+@pytest.fixture(scope="module", params=["tiny-llada", "tiny-dream"])
 def shipped(request):
     return dllm.load(request.param)
 
@@ -22,14 +27,17 @@ def answers(model, tok, **kwargs):
     return dllm.generate(model, tok, [ex.prompt for ex in HELD_OUT], gen_length=64, block_length=32, **kwargs)
 
 
-def test_vanilla_decoding_is_correct_and_deterministic(shipped):
-    out = answers(*shipped)
+def test_vanilla_decoding_is_correct(llada):
+    out = answers(*llada)
     assert [score(ex, text) for ex, text in zip(HELD_OUT, out.texts)] == [True] * len(HELD_OUT), out.texts
-    assert answers(*shipped).token_ids == out.token_ids
 
 
-def test_threshold_decoding_keeps_the_answers_with_fewer_forwards(shipped):
-    fast = answers(*shipped, sampler="threshold", cache="dual", threshold=0.9)
+def test_decoding_is_deterministic(shipped):
+    assert answers(*shipped, cache="dual").token_ids == answers(*shipped, cache="dual").token_ids
+
+
+def test_threshold_decoding_keeps_the_answers_with_fewer_forwards(llada):
+    fast = answers(*llada, sampler="threshold", cache="dual", threshold=0.9)
     assert [score(ex, text) for ex, text in zip(HELD_OUT, fast.texts)] == [True] * len(HELD_OUT), fast.texts
     assert fast.stats.tpf >= 2.0
 
