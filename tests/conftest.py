@@ -27,3 +27,12 @@ def random_model(preset: str, seed: int = 0, std: float = 0.2):
     model = build_model(PRESETS[preset], "cpu", torch.float32)
     init_random(model, seed, std=std)
     return model.eval()
+
+
+@pytest.fixture(scope="module", params=["llada-tiny", "dream-tiny", "tiny-llada", "tiny-dream"])
+def any_model(request):
+    """Random-weight tiny presets and the shipped tiny models, for tests that every combination runs."""
+    if request.param.startswith("tiny-"):
+        import dllm
+        return dllm.load(request.param)[0]
+    return random_model(request.param)

@@ -239,7 +239,8 @@ SAMPLER_ARGS = {"adablock": {"delimiter_ids": ",".join(map(str, range(0, 120, 3)
 
 
 @pytest.mark.parametrize("cache", ["dkv", "dkv_greedy", "elastic"])
-def test_every_sampler_runs_over_the_cache(model, cache):
+def test_every_sampler_runs_over_the_cache(any_model, cache):
+    model = any_model
     for cls in samplers.SAMPLERS:
         args = SAMPLER_ARGS.get(cls.name)
         if cls.drafts or (cache == "dkv_greedy" and not cls.commits_known_ahead):
