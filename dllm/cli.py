@@ -80,7 +80,6 @@ def _generate(args) -> int:
 def _chat(args) -> int:
     """A multi-turn chat on stdin/stdout; each turn decodes the whole conversation so far."""
     import dllm
-    from .decode import decode
 
     sampler, cache = _policies(args)
     model, tok = dllm.load(args.model, device=args.device, dtype=args.dtype)
@@ -94,11 +93,8 @@ def _chat(args) -> int:
         messages.append({"role": "user", "content": line.strip()})
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         ids = tok(text, add_special_tokens=False)["input_ids"]
-        canvas, stats, _ = decode(model, [ids], sampler, cache, args.gen_length, args.block_length, args.steps,
-                                  args.seed)
-        row = canvas.tokens[0, canvas.prompt_length:].tolist()
-        row = row[:next((i for i, t in enumerate(row) if t in model.config.stop_ids), len(row))]
-        answer = tok.decode(row, skip_special_tokens=True)
+        answer = dllm.generate(model, tok, [ids], sampler, cache, args.gen_length, args.block_length, args.steps,
+                               args.seed, chat=False).texts[0]
         messages.append({"role": "assistant", "content": answer})
         print(answer, flush=True)
     return 0

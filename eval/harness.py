@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 import cache as caches
 import samplers as samplers_mod
-from dllm.decode import decode, encode_prompts
+from dllm.decode import generate
 from dllm.errors import DllmError
 
 from .tasks import Item, get_task
@@ -113,14 +113,9 @@ def evaluate(model, tokenizer, task: str, sampler: str | Any = "low_confidence",
 def _decode_batch(model, tokenizer, batch: list[Item], sampler, cache, gen_length, block_length, steps, seed,
                   chat) -> tuple[list[str], list[int], Any]:
     """Generated texts, their token counts (up to the first stop token) and the batch statistics."""
-    ids = encode_prompts(tokenizer, [it.prompt for it in batch], chat)
-    canvas, stats, _ = decode(model, ids, sampler, cache, gen_length, block_length, steps, seed)
-    texts, lengths = [], []
-    for row in canvas.tokens[:, canvas.prompt_length:].tolist():
-        row = row[:next((i for i, t in enumerate(row) if t in model.config.stop_ids), len(row))]
-        texts.append(tokenizer.decode([t for t in row if t < len(tokenizer)], skip_special_tokens=True))
-        lengths.append(len(row))
-    return texts, lengths, stats
+    out = generate(model, tokenizer, [it.prompt for it in batch], sampler, cache, gen_length, block_length, steps,
+                   seed, chat)
+    return out.texts, [len(ids) for ids in out.token_ids], out.stats
 
 
 def _record(item: Item, text: str, scores: dict, gen_tokens: int, stats, batch: int) -> dict[str, Any]:

@@ -56,3 +56,11 @@ def test_speculative_is_vanilla_with_fewer_forwards(shipped, cache):
 def test_cli_default_model_is_tiny_llada(capsys):
     assert main(["generate", HELD_OUT[0].prompt, "--json"]) == 0
     assert HELD_OUT[0].answer in capsys.readouterr().out
+
+
+def test_cli_chat_answers_each_turn(monkeypatch, capsys):
+    import io
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"{HELD_OUT[0].prompt}\n{HELD_OUT[3].prompt}\n\nnot read\n"))
+    assert main(["chat", "--sampler", "threshold", "--cache", "dual"]) == 0
+    first, second = capsys.readouterr().out.splitlines()  # one line per turn; stops at the empty line
+    assert first == HELD_OUT[0].answer  # (tiny-llada was trained on single turns only: the second is not scored)
