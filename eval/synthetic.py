@@ -4,13 +4,14 @@ Families, roughly from easy-to-parallelize to dependency-heavy:
 
 - ``copy``     ``copy: k3x9a``        -> ``#### k3x9a``
 - ``reverse``  ``reverse: abc12``     -> ``#### 21cba``
-- ``sort``     ``sort: 42,7,19,3``    -> ``#### 3,7,19,42``
-- ``count``    ``count a: banana1``   -> ``#### 3``
-- ``add``      ``add: 457+68``        -> ``7+8+0=15 5+6+1=12 4+0+1=05 #### 525``
+- ``sort``     ``sort: 42,07,19,03``  -> ``#### 03,07,19,42``
+- ``count``    ``count a: banana1``   -> ``0112233 #### 3``
+- ``add``      ``add: 0457+0068``     -> ``7+8+0=15 5+6+1=12 4+0+1=05 0+0+0=00 #### 525``
 
-``add`` writes its worked steps least-significant digit first, one fixed-width step per column:
-``a+b+c=ss`` where ``c`` is the carry in and ``ss`` the two-digit column sum, whose first digit is the
-carry out. A missing digit of the shorter operand is written as 0.
+Numbers in prompts are zero-padded to a fixed width (two digits for ``sort``, four for ``add``), so a digit's
+place is a fixed distance from the end of the prompt. ``count`` writes the running count after each character
+of the string. ``add`` writes one fixed-width step per column, least-significant digit first: ``a+b+c=ss``
+where ``c`` is the carry in and ``ss`` the two-digit column sum, whose first digit is the carry out.
 
 Every answer ends GSM8K-style with ``#### <final answer>``. Note that ``sort`` answers contain commas:
 score them with :func:`extract_answer`, not with an extractor that deletes commas from numbers.
@@ -28,8 +29,8 @@ FAMILIES: tuple[str, ...] = ("copy", "reverse", "sort", "count", "add")
 #: Every character that can occur in a prompt or an answer.
 CHARSET: str = string.ascii_lowercase + string.digits + " #+,:="
 
-#: Exact maxima over all families: the longest prompt is ``sort`` with eight 2-digit numbers (29), the
-#: longest answer and prompt+answer are ``add`` with two 4-digit operands and a carry out (46 and 60).
+#: Exact maxima over all families: the longest prompt is ``sort`` with eight numbers (29), the longest
+#: answer and prompt+answer are ``add`` with a five-digit sum (46 and 60).
 MAX_PROMPT_CHARS: int = 29
 MAX_ANSWER_CHARS: int = 46
 MAX_TOTAL_CHARS: int = 60
@@ -95,9 +96,8 @@ def _reverse(rng: random.Random) -> Example:
 
 
 def _sort(rng: random.Random) -> Example:
-    xs = [rng.randrange(100) for _ in range(rng.randint(4, 8))]
-    shown = ",".join(map(str, xs))
-    return Example("sort", f"sort: {shown}", _final("", ",".join(map(str, sorted(xs)))))
+    xs = [f"{rng.randrange(100):02d}" for _ in range(rng.randint(4, 8))]
+    return Example("sort", f"sort: {','.join(xs)}", _final("", ",".join(sorted(xs))))
 
 
 def _count(rng: random.Random) -> Example:
@@ -107,16 +107,18 @@ def _count(rng: random.Random) -> Example:
     others = _ALNUM.replace(target, "")
     chars = [target] * k + rng.choices(others, k=length - k)
     rng.shuffle(chars)
-    return Example("count", f"count {target}: {''.join(chars)}", _final("", str(k)))
+    running = "".join(str(chars[: i + 1].count(target)) for i in range(length))
+    return Example("count", f"count {target}: {''.join(chars)}", _final(running, str(k)))
+
+
+ADD_WIDTH = 4
 
 
 def add_steps(a: int, b: int) -> list[str]:
-    """Column steps of ``a + b``, least-significant digit first, as ``x+y+c=ss``."""
-    da, db = str(a)[::-1], str(b)[::-1]
+    """Column steps of ``a + b`` over ``ADD_WIDTH`` columns, least-significant digit first, as ``x+y+c=ss``."""
+    da, db = f"{a:0{ADD_WIDTH}d}"[::-1], f"{b:0{ADD_WIDTH}d}"[::-1]
     steps, carry = [], 0
-    for i in range(max(len(da), len(db))):
-        x = int(da[i]) if i < len(da) else 0
-        y = int(db[i]) if i < len(db) else 0
+    for x, y in zip(map(int, da), map(int, db)):
         s = x + y + carry
         steps.append(f"{x}+{y}+{carry}={s:02d}")
         carry = s // 10
@@ -124,10 +126,11 @@ def add_steps(a: int, b: int) -> list[str]:
 
 
 def _add(rng: random.Random) -> Example:
-    da, db = rng.randint(2, 4), rng.randint(2, 4)
+    da, db = rng.randint(2, ADD_WIDTH), rng.randint(2, ADD_WIDTH)
     a = rng.randrange(10 ** (da - 1), 10**da)
     b = rng.randrange(10 ** (db - 1), 10**db)
-    return Example("add", f"add: {a}+{b}", _final(" ".join(add_steps(a, b)), str(a + b)))
+    prompt = f"add: {a:0{ADD_WIDTH}d}+{b:0{ADD_WIDTH}d}"
+    return Example("add", prompt, _final(" ".join(add_steps(a, b)), str(a + b)))
 
 
 _MAKERS: dict[str, Callable[[random.Random], Example]] = {

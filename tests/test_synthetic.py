@@ -82,14 +82,16 @@ def test_final_answers_are_correct(train_split):
         elif ex.family == "reverse":
             assert final == p[::-1] and 4 <= len(p) <= 12
         elif ex.family == "sort":
-            xs = [int(x) for x in p.split(",")]
-            ys = [int(y) for y in final.split(",")]
-            assert 4 <= len(xs) <= 8 and all(0 <= x <= 99 for x in xs)
-            assert ys == sorted(xs)
+            xs, ys = p.split(","), final.split(",")
+            assert 4 <= len(xs) <= 8 and all(len(x) == 2 and x.isdigit() for x in xs)  # zero-padded
+            assert [int(y) for y in ys] == sorted(int(x) for x in xs) and ys == sorted(xs)
         elif ex.family == "count":
             letter = ex.prompt.split(":")[0].split()[1]
-            assert int(final) == p.count(letter)
+            running = ex.answer.rsplit(" #### ", 1)[0]
+            assert running == "".join(str(p[: i + 1].count(letter)) for i in range(len(p)))
+            assert int(final) == p.count(letter) == int(running[-1])
         elif ex.family == "add":
+            assert re.fullmatch(r"\d{4}\+\d{4}", p)  # zero-padded to four digits
             a, b = (int(x) for x in p.split("+"))
             assert 10 <= a <= 9999 and 10 <= b <= 9999
             assert int(final) == a + b
@@ -105,7 +107,7 @@ def test_add_worked_steps_are_arithmetically_right(train_split):
         a, b = (int(x) for x in _payload(ex).split("+"))
         body = ex.answer.rsplit(" #### ", 1)[0]
         steps = body.split(" ")
-        assert len(steps) == max(len(str(a)), len(str(b)))
+        assert len(steps) == S.ADD_WIDTH
         carry, digits = 0, []
         for i, step in enumerate(steps):
             m = step_re.match(step)
@@ -116,8 +118,8 @@ def test_add_worked_steps_are_arithmetically_right(train_split):
             carry, digits = s // 10, digits + [s % 10]
         total = int(str(carry) + "".join(map(str, reversed(digits))))
         assert total == a + b == int(ex.final_answer)
-    assert S.add_steps(457, 168) == ["7+8+0=15", "5+6+1=12", "4+1+1=06"]
-    assert S.add_steps(95, 7) == ["5+7+0=12", "9+0+1=10"]
+    assert S.add_steps(457, 168) == ["7+8+0=15", "5+6+1=12", "4+1+1=06", "0+0+0=00"]
+    assert S.add_steps(95, 7) == ["5+7+0=12", "9+0+1=10", "0+0+1=01", "0+0+0=00"]
 
 
 def test_extract_answer_and_score():
@@ -130,15 +132,6 @@ def test_extract_answer_and_score():
     assert not score(ex, "42")
     assert not score(ex, "#### 4 2")
     assert ex.final_answer == "42"
-
-
-def test_train_is_fast_enough():
-    import time
-
-    t = time.perf_counter()
-    out = make_split("train", n_per_family=10_000, seed=3)
-    assert len(out) == 10_000 * len(S.FAMILIES)
-    assert time.perf_counter() - t < 5.0
 
 
 @pytest.mark.parametrize(
