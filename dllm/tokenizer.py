@@ -25,6 +25,9 @@ from transformers import PreTrainedTokenizerFast
 
 STYLES: tuple[str, ...] = ("llada", "dream")
 
+CHAT_ROLES: tuple[str, ...] = ("system", "user", "assistant")
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
+
 SPECIAL_TOKENS: dict[str, tuple[str, ...]] = {
     "llada": (
         "<|startoftext|>",
@@ -33,8 +36,17 @@ SPECIAL_TOKENS: dict[str, tuple[str, ...]] = {
         "<|start_header_id|>",
         "<|end_header_id|>",
         "<|eot_id|>",
+        # Whole chat headers, one token each (a real tokenizer spends ~4 on one, a character-level one ~15).
+        *(f"<|start_header_id|>{role}<|end_header_id|>\n\n" for role in CHAT_ROLES),
     ),
-    "dream": ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"),
+    "dream": (
+        "<|endoftext|>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|mask|>",
+        *(f"<|im_start|>{role}\n" for role in CHAT_ROLES),
+        f"<|im_start|>system\n{DEFAULT_SYSTEM_PROMPT}<|im_end|>\n",
+    ),
 }
 
 # Roles of the named special tokens per style; the rest go to the additional special tokens.
@@ -67,8 +79,6 @@ LLADA_CHAT_TEMPLATE = (
     "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}"
     "{%- endif -%}"
 )
-
-DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 
 # Qwen2.5 ChatML (without tools): a default system turn unless the first message is a system message.
 DREAM_CHAT_TEMPLATE = (
@@ -106,7 +116,7 @@ def build_tokenizer(style: str, charset: str) -> PreTrainedTokenizerFast:
     # Isolate every character (newlines included); Fuse joins decoded tokens with nothing in between.
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
-    # Added special tokens are matched before pre-tokenization, so they stay whole tokens.
+    # Added special tokens are matched before pre-tokenization, longest first, so they stay whole tokens.
     core.add_special_tokens(
         [AddedToken(t, special=True, normalized=False, lstrip=False, rstrip=False) for t in specials]
     )

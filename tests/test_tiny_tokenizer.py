@@ -49,6 +49,20 @@ def test_special_tokens_come_first_and_are_single_ids(style_tok):
     ]
 
 
+def test_chat_headers_are_one_token_each(style_tok):
+    style, tok = style_tok
+    text = tok.apply_chat_template([{"role": "user", "content": "copy: user"}], add_generation_prompt=True,
+                                   tokenize=False)
+    pieces = tok.convert_ids_to_tokens(tok(text, add_special_tokens=False)["input_ids"])
+    content = list("copy: user")  # a role name inside the content stays characters
+    if style == "llada":
+        assert pieces == ["<|startoftext|>", "<|start_header_id|>user<|end_header_id|>\n\n", *content,
+                          "<|eot_id|>", GENERATION_PROMPT[style]]
+    else:
+        assert pieces == ["<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n", "<|im_start|>user\n",
+                          *content, "<|im_end|>", "\n", GENERATION_PROMPT[style]]
+
+
 def test_named_special_ids(style_tok):
     style, tok = style_tok
     if style == "llada":
