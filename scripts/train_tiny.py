@@ -5,8 +5,13 @@ end-of-turn token and the end-of-text padding up to the answer length) is masked
 never masked; loss = sum over masked positions of CE / t, divided by the answer length. Dream trains the same way
 through its shifted logits (hidden i-1 predicts token i), which `DiffusionLM.run` handles via `logit_rows`.
 
-    python scripts/train_tiny.py --arch llada --out dllm/checkpoints/tiny-llada --steps 4000
-    python scripts/train_tiny.py --arch dream --out dllm/checkpoints/tiny-dream --steps 4000 --device cuda
+    python scripts/train_tiny.py --arch llada --out dllm/checkpoints/tiny-llada --steps 4800 --bf16 --threads 1
+    python scripts/train_tiny.py --arch dream --out dllm/checkpoints/tiny-dream --steps 8000 --device cuda
+
+Recipe choices for a CPU budget: families are sampled with weights (`--mix`, the dependency-heavy ones more
+often), the answer canvas of a batch is 48..64 tokens (each batch pays for what it needs, every position up to
+64 still learns to stay padding), RoPE theta 10000 (a 100-token context needs no longer wavelengths), and
+`--bf16` autocast (about 25% faster per step on an AVX512-BF16 CPU).
 
 Seeded and resumable: the run state (weights, optimizer moments, step) is saved as safetensors + JSON under
 `--state` (default `runs/train-ARCH`) every `--save-every` steps and picked up again when the same command is rerun.
@@ -30,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dllm.decode import decode  # noqa: E402
 from dllm.loading import build_model, init_random, save_pretrained  # noqa: E402
 from dllm.models import ModelConfig  # noqa: E402
-from dllm.tokenizer import SPECIAL_TOKENS, build_tokenizer  # noqa: E402
+from dllm.tokenizer import build_tokenizer  # noqa: E402
 from eval.synthetic import CHARSET, FAMILIES, make_split, score  # noqa: E402
 import cache as caches  # noqa: E402
 import samplers as samplers_mod  # noqa: E402
@@ -38,12 +43,12 @@ import samplers as samplers_mod  # noqa: E402
 END_OF_TURN = {"llada": "<|eot_id|>", "dream": "<|im_end|>"}
 
 
-def model_config(arch: str, tok, size: dict) -> ModelConfig:
+def model_config(arch: str, tok, size: dict, rope_theta: float) -> ModelConfig:
     eos, eot = tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids(END_OF_TURN[arch])
     return ModelConfig(arch=arch, vocab_size=len(tok), hidden_size=size["d"], intermediate_size=size["ff"],
                        n_layers=size["layers"], n_heads=size["heads"], n_kv_heads=size["kv_heads"],
                        rms_norm_eps=1e-5 if arch == "llada" else 1e-6,
-                       rope_theta=500000.0 if arch == "llada" else 1000000.0, qkv_bias=arch == "dream",
+                       rope_theta=rope_theta, qkv_bias=arch == "dream",
                        logit_shift=int(arch == "dream"), mask_id=tok.mask_token_id, pad_id=eos,
                        stop_ids=tuple(sorted({eos, eot})), filler_id=eos, max_length=256)
 
@@ -68,6 +73,17 @@ def encode(tok, arch: str, examples, answer_length: int) -> tuple[torch.Tensor, 
             raise ValueError(f"answer of {len(ans)} tokens does not fit --answer-length {answer_length}")
         a[i, :len(ans)] = torch.tensor(ans)
     return p, torch.tensor([len(x) for x in prompts]), a
+
+
+def parse_mix(text: str) -> dict[str, float]:
+    """``"copy:1,sort:2"`` -> sampling weight per family (families left out get 0)."""
+    mix = {}
+    for part in text.split(","):
+        family, _, weight = part.partition(":")
+        if family not in FAMILIES or not weight:
+            raise ValueError(f"bad --mix entry {part!r}; write family:weight with a family of {', '.join(FAMILIES)}")
+        mix[family] = float(weight)
+    return mix
 
 
 def masked_diffusion_loss(model, prompts, lengths, answers, generator, eps: float = 1e-3) -> torch.Tensor:
@@ -148,7 +164,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=None, help="default: heads (LLaDA), heads/2 (Dream)")
     ap.add_argument("--ff", type=int, default=None, help="default: 3 * d")
-    ap.add_argument("--answer-length", type=int, default=64)
+    ap.add_argument("--answer-length", type=int, default=64, help="longest answer canvas (with padding)")
+    ap.add_argument("--min-answer-length", type=int, default=48, help="shortest answer canvas of a batch")
+    ap.add_argument("--rope-theta", type=float, default=10000.0)
+    ap.add_argument("--mix", default="copy:1,reverse:1,sort:2,count:1.5,add:2",
+                    help="sampling weight per family")
+    ap.add_argument("--bf16", action="store_true", help="bf16 autocast for the forward and backward")
     ap.add_argument("--block-length", type=int, default=32, help="blocks used by the periodic evaluation")
     ap.add_argument("--train-per-family", type=int, default=100_000)
     ap.add_argument("--eval-every", type=int, default=500)
@@ -167,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     tok = build_tokenizer(args.arch, CHARSET)
     size = dict(d=args.d, layers=args.layers, heads=args.heads, ff=args.ff or 3 * args.d,
                 kv_heads=args.kv_heads or (args.heads if args.arch == "llada" else max(args.heads // 2, 1)))
-    model = build_model(model_config(args.arch, tok, size), args.device, torch.float32)
+    model = build_model(model_config(args.arch, tok, size, args.rope_theta), args.device, torch.float32)
     init_random(model, args.seed)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
@@ -180,14 +201,24 @@ def main(argv: list[str] | None = None) -> None:
           f"resuming at step {start}" if start else
           f"{args.arch}: {model.config.num_parameters() / 1e6:.2f}M parameters, {len(train)} training examples")
 
+    mix = parse_mix(args.mix)
+    weights = torch.tensor([mix.get(ex.family, 0.0) for ex in train], dtype=torch.double)
+    need = int((answers != answers[0, -1]).long().cumsum(1).argmax(1).max()) + 1  # longest answer with its eot
+    if not need <= args.min_answer_length <= args.answer_length:
+        raise ValueError(f"need {need} <= --min-answer-length <= --answer-length, got {args.min_answer_length}")
+
     began = time.time()
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc=f"train {args.arch}")
     for step in bar:
         g = torch.Generator().manual_seed(args.seed * 1_000_003 + step)  # batch depends only on (seed, step)
-        idx = torch.randint(0, len(train), (args.batch_size,), generator=g)
+        idx = torch.multinomial(weights, args.batch_size, replacement=True, generator=g)
+        # Like LLaDA's SFT batches, the end-of-text padding has a varying length, so every position up to
+        # --answer-length learns to stay padding.
+        width = int(torch.randint(args.min_answer_length, args.answer_length + 1, (), generator=g))
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
-        loss = masked_diffusion_loss(model, prompts[idx], lengths[idx], answers[idx], g)
+        with torch.autocast(model.device.type, torch.bfloat16, enabled=args.bf16):
+            loss = masked_diffusion_loss(model, prompts[idx], lengths[idx], answers[idx, :width], g)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
