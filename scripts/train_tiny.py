@@ -203,9 +203,9 @@ def main(argv: list[str] | None = None) -> None:
 
     mix = parse_mix(args.mix)
     weights = torch.tensor([mix.get(ex.family, 0.0) for ex in train], dtype=torch.double)
-    need = int((answers != answers[0, -1]).long().cumsum(1).argmax(1).max()) + 1  # longest answer with its eot
-    if not need <= args.min_answer_length <= args.answer_length:
-        raise ValueError(f"need {need} <= --min-answer-length <= --answer-length, got {args.min_answer_length}")
+    longest = int((answers != tok.eos_token_id).sum(1).max())  # answer tokens and end of turn, without padding
+    if not longest <= args.min_answer_length <= args.answer_length:
+        raise ValueError(f"--min-answer-length must be in [{longest}, --answer-length], got {args.min_answer_length}")
 
     began = time.time()
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc=f"train {args.arch}")
