@@ -11,13 +11,18 @@ from eval.synthetic import make_split, score
 # Families each model has learned (RESULTS.md has every family); the tests decode their first held-out items.
 LEARNED = {"tiny-llada": ("copy", "reverse", "add"), "tiny-dream": ("copy", "reverse", "sort", "add")}
 
-HELD_OUT = [ex for f in LEARNED["tiny-llada"] for ex in make_split("test", 2, families=[f])]
+
+def held_out(name: str) -> list:
+    return [ex for f in LEARNED[name] for ex in make_split("test", 2, families=[f])]
+
+
+HELD_OUT = held_out("tiny-llada")
 
 
 @pytest.fixture(scope="module", params=list(LEARNED))
 def shipped(request):
     model, tok = dllm.load(request.param)
-    return model, tok, [ex for f in LEARNED[request.param] for ex in make_split("test", 2, families=[f])]
+    return model, tok, held_out(request.param)
 
 
 def answers(model, tok, items, **kwargs):
