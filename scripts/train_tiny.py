@@ -5,14 +5,13 @@ end-of-turn token and the end-of-text padding up to the answer length) is masked
 never masked; loss = sum over masked positions of CE / t, divided by the answer length. Dream trains the same way
 through its shifted logits (hidden i-1 predicts token i), which `DiffusionLM.run` handles via `logit_rows`.
 
-    python scripts/train_tiny.py --arch llada --out dllm/checkpoints/tiny-llada --steps 4800 --bf16 --threads 1
-    python scripts/train_tiny.py --arch dream --out dllm/checkpoints/tiny-dream --steps 4800 --bf16 --threads 1
+    python scripts/train_tiny.py --arch llada --out runs/tiny-llada --steps 4800 --train-per-family 40000 --bf16 --threads 1
 
-(78 min each on one CPU thread; add `--device cuda` on a GPU.) Recipe choices for a CPU budget: families are
-sampled with weights (`--mix`, the dependency-heavy ones more often), the answer canvas of a batch is 48..64
-tokens (each batch pays for what it needs, every position up to 64 still learns to stay padding), RoPE theta
-10000 (a 100-token context needs no longer wavelengths), and `--bf16` autocast (about 25% faster per step on an
-AVX512-BF16 CPU).
+(about 2 hours on one CPU thread; add `--device cuda` on a GPU; README gives the exact commands behind the
+shipped weights.) Recipe choices for a CPU budget: families are sampled with weights (`--mix`, the
+dependency-heavy ones more often), the answer canvas of a batch is 48..64 tokens (each batch pays for what it
+needs, every position up to 64 still learns to stay padding), RoPE theta 10000 (a 100-token context needs no
+longer wavelengths), and `--bf16` autocast (about 25% faster per step on an AVX512-BF16 CPU).
 
 Seeded and resumable: the run state (weights, optimizer moments, step) is saved as safetensors + JSON under
 `--state` (default `runs/train-ARCH`) every `--save-every` steps and picked up again when the same command is rerun.
