@@ -80,9 +80,16 @@ def parse_mix(text: str) -> dict[str, float]:
     mix = {}
     for part in text.split(","):
         family, _, weight = part.partition(":")
-        if family not in FAMILIES or not weight:
-            raise ValueError(f"bad --mix entry {part!r}; write family:weight with a family of {', '.join(FAMILIES)}")
-        mix[family] = float(weight)
+        bad = ValueError(f"bad --mix entry {part!r}; write family:weight with a family of {', '.join(FAMILIES)} "
+                         "and a weight >= 0")
+        try:
+            mix[family] = float(weight)
+        except ValueError:
+            raise bad from None
+        if family not in FAMILIES or not mix[family] >= 0:
+            raise bad
+    if not sum(mix.values()) > 0:
+        raise ValueError(f"--mix {text!r} gives every family weight 0; give at least one a positive weight")
     return mix
 
 
@@ -141,7 +148,12 @@ def save_state(state_dir: Path, model, optimizer, step: int) -> None:
 def load_state(state_dir: Path, model, optimizer) -> int:
     if not (state_dir / "state.json").exists():
         return 0
-    model.load_state_dict(load_file(str(state_dir / "model.safetensors")))
+    try:
+        model.load_state_dict(load_file(str(state_dir / "model.safetensors")))
+    except RuntimeError as err:  # a run of another size, tokenizer or architecture
+        first = str(err).splitlines()[-1].strip().rstrip(".")
+        raise ValueError(f"{state_dir} holds a run of a different model ({first}); "
+                         f"pass another --state or delete that directory") from None
     moments = load_file(str(state_dir / "optimizer.safetensors"))
     params = optimizer.param_groups[0]["params"]
     for name, value in moments.items():
@@ -237,4 +249,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ValueError as err:
+        sys.exit(f"error: {err}")

@@ -42,5 +42,16 @@ def test_an_interrupted_run_resumes_to_the_same_weights(tmp_path, monkeypatch):
 def test_bad_flags_name_the_fix(tmp_path):
     with pytest.raises(ValueError, match="write family:weight"):
         train(tmp_path, "m", 1, "--mix", "copy:1,mul:2")
+    with pytest.raises(ValueError, match="write family:weight"):
+        train(tmp_path, "m", 1, "--mix", "copy:x")
+    with pytest.raises(ValueError, match="give at least one a positive weight"):
+        train(tmp_path, "m", 1, "--mix", "copy:0")
     with pytest.raises(ValueError, match="--min-answer-length must be in"):
         train(tmp_path, "m", 1, "--min-answer-length", "10")
+
+
+def test_a_state_of_another_model_is_refused(tmp_path):
+    train(tmp_path, "small", 1)  # leaves its state in tmp_path/state-small
+    with pytest.raises(ValueError, match="holds a run of a different model .*pass another --state"):
+        train_tiny.main(["--arch", "dream", "--out", str(tmp_path / "wide"), "--state", str(tmp_path / "state-small"),
+                         "--steps", "1", *TINY, "--d", "32"])
