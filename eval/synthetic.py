@@ -5,12 +5,12 @@ Families, roughly from easy-to-parallelize to dependency-heavy:
 - ``copy``     ``copy: k3x9a``        -> ``#### k3x9a``
 - ``reverse``  ``reverse: abc12``     -> ``#### 21cba``
 - ``sort``     ``sort: 42,07,19,03``  -> ``#### 03,07,19,42``
-- ``count``    ``count a: banana1``   -> ``0112233 #### 3``
+- ``count``    ``count digits: k3x91`` -> ``01123 #### 3``
 - ``add``      ``add: 0457+0068``     -> ``7+8+0=15 5+6+1=12 4+0+1=05 0+0+0=00 #### 525``
 
 Numbers in prompts are zero-padded to a fixed width (two digits for ``sort``, four for ``add``), so a digit's
-place is a fixed distance from the end of the prompt. ``count`` writes the running count after each character
-of the string. ``add`` writes one fixed-width step per column, least-significant digit first: ``a+b+c=ss``
+place is a fixed distance from the end of the prompt. ``count`` writes the running count of digits after each
+character of the string. ``add`` writes one fixed-width step per column, least-significant digit first: ``a+b+c=ss``
 where ``c`` is the carry in and ``ss`` the two-digit column sum, whose first digit is the carry out.
 
 Every answer ends GSM8K-style with ``#### <final answer>``. Note that ``sort`` answers contain commas:
@@ -101,14 +101,12 @@ def _sort(rng: random.Random) -> Example:
 
 
 def _count(rng: random.Random) -> Example:
-    target = rng.choice(string.ascii_lowercase)
     length = rng.randint(4, 12)
-    k = rng.randint(0, min(5, length))
-    others = _ALNUM.replace(target, "")
-    chars = [target] * k + rng.choices(others, k=length - k)
+    k = rng.randint(0, min(9, length))
+    chars = rng.choices(string.digits, k=k) + rng.choices(string.ascii_lowercase, k=length - k)
     rng.shuffle(chars)
-    running = "".join(str(chars[: i + 1].count(target)) for i in range(length))
-    return Example("count", f"count {target}: {''.join(chars)}", _final(running, str(k)))
+    running = "".join(str(sum(c.isdigit() for c in chars[: i + 1])) for i in range(length))
+    return Example("count", f"count digits: {''.join(chars)}", _final(running, str(k)))
 
 
 ADD_WIDTH = 4

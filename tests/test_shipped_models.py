@@ -9,7 +9,7 @@ from dllm.cli import main
 from eval.synthetic import make_split, score
 
 # Families each model has learned (RESULTS.md has every family); the tests decode their first held-out items.
-LEARNED = {"tiny-llada": ("copy", "reverse", "add"), "tiny-dream": ("copy", "reverse", "sort", "add")}
+LEARNED = {"tiny-llada": ("copy", "reverse", "count", "add"), "tiny-dream": ("copy", "reverse", "sort", "count", "add")}
 
 
 def held_out(name: str) -> list:

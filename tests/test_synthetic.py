@@ -86,10 +86,11 @@ def test_final_answers_are_correct(train_split):
             assert 4 <= len(xs) <= 8 and all(len(x) == 2 and x.isdigit() for x in xs)  # zero-padded
             assert [int(y) for y in ys] == sorted(int(x) for x in xs) and ys == sorted(xs)
         elif ex.family == "count":
-            letter = ex.prompt.split(":")[0].split()[1]
+            assert ex.prompt.startswith("count digits: ") and 4 <= len(p) <= 12 and p.isalnum()
+            digits = [c.isdigit() for c in p]
             running = ex.answer.rsplit(" #### ", 1)[0]
-            assert running == "".join(str(p[: i + 1].count(letter)) for i in range(len(p)))
-            assert int(final) == p.count(letter) == int(running[-1])
+            assert running == "".join(str(sum(digits[: i + 1])) for i in range(len(p)))
+            assert int(final) == sum(digits) == int(running[-1])
         elif ex.family == "add":
             assert re.fullmatch(r"\d{4}\+\d{4}", p)  # zero-padded to four digits
             a, b = (int(x) for x in p.split("+"))
