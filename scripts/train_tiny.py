@@ -187,7 +187,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--eval-every", type=int, default=500)
     ap.add_argument("--eval-per-family", type=int, default=20)
     ap.add_argument("--save-every", type=int, default=250)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0,
+                    help="initialisation and batch order; the data is always split 0, the one `dllm eval` tests on")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
     start = load_state(state_dir, model, optimizer)
 
-    train = make_split("train", args.train_per_family, seed=args.seed)
+    train = make_split("train", args.train_per_family)
     prompts, lengths, answers = encode(tok, args.arch, train, args.answer_length)
     held_out = [ex for f in FAMILIES for ex in make_split("test", args.eval_per_family, families=[f])]
     print(f"{args.arch}: {model.config.num_parameters() / 1e6:.2f}M parameters, {len(train)} training examples, "
