@@ -113,8 +113,10 @@ def plot(result: dict, path: Path) -> str | None:
     ax.scatter([r["tpf"] for r in points], [r["accuracy"] for r in points], color="tab:gray")
     front = sorted((r for r in points if r["point"] in result["pareto"]), key=lambda r: r["tpf"])
     ax.plot([r["tpf"] for r in front], [r["accuracy"] for r in front], "o-", color="tab:blue", label="Pareto front")
-    for r in points:
-        ax.annotate(r["point"], (r["tpf"], r["accuracy"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    for i, r in enumerate(sorted(points, key=lambda r: r["tpf"])):  # neighbours' labels alternate above and below
+        ax.annotate(r["point"], (r["tpf"], r["accuracy"]), fontsize=7, xytext=(3, 4 if i % 2 == 0 else -11),
+                    textcoords="offset points")
+    ax.margins(x=0.1, y=0.15)
     ax.set_xlabel("tokens per forward")
     ax.set_ylabel("accuracy (%)")
     ax.set_title(f"{result['task']}: AUP {result['aup']:.1f}")
