@@ -13,25 +13,24 @@ HELD_OUT = make_split("test", 10)  # the first ten held-out items of every famil
 
 @pytest.fixture(scope="module", params=["tiny-llada", "tiny-dream"])
 def shipped(request):
-    model, tok = dllm.load(request.param)
-    return model, tok, HELD_OUT
+    return dllm.load(request.param)
 
 
-def answers(model, tok, items, **kwargs):
-    return dllm.generate(model, tok, [ex.prompt for ex in items], gen_length=64, block_length=32, **kwargs)
+def answers(model, tok, **kwargs):
+    return dllm.generate(model, tok, [ex.prompt for ex in HELD_OUT], gen_length=64, block_length=32, **kwargs)
 
 
-def assert_solved(items, texts):
+def assert_solved(texts):
     """At least 90% right overall and 6 of 10 in every family (RESULTS.md: 96-99% on 1000 items, sort 84-97%)."""
     right = {}
-    for ex, text in zip(items, texts):
+    for ex, text in zip(HELD_OUT, texts):
         right.setdefault(ex.family, []).append(score(ex, text))
-    wrong = [(ex.prompt, text) for ex, text in zip(items, texts) if not score(ex, text)]
-    assert len(wrong) <= len(items) // 10 and all(sum(r) >= 6 for r in right.values()), wrong
+    wrong = [(ex.prompt, text) for ex, text in zip(HELD_OUT, texts) if not score(ex, text)]
+    assert len(wrong) <= len(HELD_OUT) // 10 and all(sum(r) >= 6 for r in right.values()), wrong
 
 
 def test_vanilla_decoding_solves_held_out_items(shipped):
-    assert_solved(shipped[2], answers(*shipped).texts)
+    assert_solved(answers(*shipped).texts)
 
 
 def test_decoding_is_deterministic(shipped):
@@ -40,14 +39,14 @@ def test_decoding_is_deterministic(shipped):
 
 def test_threshold_decoding_keeps_the_answers_with_fewer_forwards(shipped):
     fast = answers(*shipped, sampler="threshold", cache="dual", threshold=0.9)
-    assert_solved(shipped[2], fast.texts)
+    assert_solved(fast.texts)
     assert fast.stats.tpf >= 2.0
 
 
 @pytest.mark.parametrize("cache", ["none", "dual"])
 def test_speculative_is_vanilla_with_fewer_forwards(shipped, cache):
-    model, tok, items = shipped
-    prompts = [ex.prompt for ex in items[::10]]  # one item per family
+    model, tok = shipped
+    prompts = [ex.prompt for ex in HELD_OUT[::10]]  # one item per family
     args = dict(gen_length=64, block_length=32, cache=cache, stop_early=False)
     vanilla = dllm.generate(model, tok, prompts, **args)
     fast = dllm.generate(model, tok, prompts, sampler="speculative", draft_steps=4, **args)
