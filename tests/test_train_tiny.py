@@ -55,3 +55,18 @@ def test_a_state_of_another_model_is_refused(tmp_path):
     with pytest.raises(ValueError, match="holds a run of a different model .*pass another --state"):
         train_tiny.main(["--arch", "dream", "--out", str(tmp_path / "wide"), "--state", str(tmp_path / "state-small"),
                          "--steps", "1", *TINY, "--d", "32"])
+
+
+def test_the_seed_leaves_the_training_split_alone(tmp_path, monkeypatch):
+    """`--seed` changes initialisation and batch order only: every seed trains on split 0, whose test prompts
+    `dllm eval` holds out (a seed-1 split would only hold out seed-1 test prompts)."""
+    seen, encode = [], train_tiny.encode
+
+    def record(tok, arch, examples, *rest):
+        seen.append(examples)
+        return encode(tok, arch, examples, *rest)
+
+    monkeypatch.setattr(train_tiny, "encode", record)
+    train(tmp_path, "seed0", 1)
+    train(tmp_path, "seed1", 1, "--seed", "1")
+    assert seen[0] == seen[1]
