@@ -2,8 +2,10 @@
 tempered top-p/top-k distribution, count from the time grid `linspace(1, eps, steps + 1)`.
 
 Deviations kept on purpose: the count is per row (the reference averages masks over the batch, which breaks
-rows with different mask counts), and at least one token is committed per step (the reference can run
-forwards that commit nothing, e.g. step 0 when steps == gen_length)."""
+rows with different mask counts), and it is max(1, floor(n (1 - s/t))) for n masks left (all of them on the
+last step), where the reference `_sample` takes `int(n * (1 - s / t))`, which is 0 whenever n (1 - s/t) < 1: it
+then runs a forward that commits nothing (e.g. step 0 when steps == gen_length, where n (1 - s/t) = 1 - eps),
+and the trajectories part from there. MASK is never proposed (see `samplers.base`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -36,25 +36,34 @@ class Threshold(Sampler):
         return Commit(threshold_commit(confidence, ctx.eligible, self.threshold), tokens, confidence)
 
 
+def factor_count(ranked, left, factor: float, compat: bool = False):
+    """How many of the top ranks the factor rule commits. `ranked`: [B, C] eligible confidences sorted
+    descending (-inf past the `left` [B] eligible ones).
+
+    Default (spec 3.2): the top n* = max(1, #{n : c_(n) >= 1 - f/(n+1)}). The passing ranks form a prefix
+    (c_(n) falls while the bar rises), so this commits exactly the ranks that clear their bar, and rank 1
+    regardless. `compat` reproduces NVlabs/Fast-dLLM `get_transfer_index_dynamic`: it commits the ranks before
+    the first one under its bar (rank 1's bar is -1: it never fails), all N when none fails, and also all N when
+    the first failure is the last rank N (the reference bumps its loop index there). So where the default
+    commits N - 1 of N, compat commits N (with 2 masks left, always both); otherwise they agree."""
+    n = torch.arange(1, ranked.shape[1] + 1, device=ranked.device, dtype=torch.float64)
+    count = (ranked >= 1 - factor / (n + 1)).sum(1).clamp(min=1)
+    if compat:
+        count = torch.where(count == left - 1, left, count)
+    return torch.minimum(count, left)
+
+
 @register("factor")
 @dataclass
 class Factor(Sampler):
-    """Fast-dLLM factor rule: commit the top n while (n + 1)(1 - c_(n)) < factor (at least one)."""
+    """Fast-dLLM factor rule: commit the top n while c_(n) >= 1 - f/(n+1) (at least one); `factor_count` has
+    the exact count and what `compat` changes."""
 
     factor: float = param(1.0, "f in c_(n) >= 1 - f/(n+1); larger commits more per step", gt=0.0)
-    compat: bool = param(False, "reproduce the reference off-by-one (a failing last rank still commits all)")
+    compat: bool = param(False, "reproduce the reference edge case (a failing last rank still commits all)")
 
     def step(self, ctx: StepContext) -> Commit:
         tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generator)
         confidence = token_probability(ctx.logits, tokens)
-        ranked = _ranked(confidence, ctx.eligible)
-        n = torch.arange(1, ranked.shape[1] + 1, device=ranked.device, dtype=torch.float64)
-        passes = ranked >= 1 - self.factor / (n + 1)
-        left = ctx.eligible.sum(1)
-        if self.compat:  # stop at the first failing rank; if it is the last eligible one (or none fails) take all
-            failed = ~passes & (n[None] <= left[:, None])
-            first_fail = torch.where(failed.any(1), failed.float().argmax(1), left)
-            count = torch.where(first_fail >= left - 1, left, first_fail)
-        else:
-            count = passes.sum(1)
-        return Commit(top_k_per_row(confidence, ctx.eligible, count.clamp(min=1)), tokens, confidence)
+        count = factor_count(_ranked(confidence, ctx.eligible), ctx.eligible.sum(1), self.factor, self.compat)
+        return Commit(top_k_per_row(confidence, ctx.eligible, count), tokens, confidence)

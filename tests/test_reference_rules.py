@@ -1,0 +1,99 @@
+"""Selection rules against plain per-row transcriptions of the reference code (issue #14).
+
+Each rule below is a deliberately naive per-row loop (the reference function step by step, or the spec's
+formula); the sampler must pick exactly the same positions on thousands of random steps, edge cases included
+(0-3 masks left, confidences on or one ulp under a bar, tied confidences, confidences that round to 1.0)."""
+import pytest
+import torch
+
+import samplers
+from samplers import StepContext
+from samplers.fastdllm import factor_count
+
+C, V = 8, 5  # candidate positions per row, vocabulary
+
+
+def reference_factor(conf, eligible, factor):
+    """NVlabs/Fast-dLLM `get_transfer_index_dynamic` (v1/llada/generate.py), one row: bars 1 - f/(n+1) for
+    ranks n = 1..N except rank 1 (bar -1), scan the sorted confidences up to the first rank under its bar, and
+    bump the loop index when it stopped on the first or the last rank."""
+    masked = [i for i in range(len(conf)) if eligible[i]]
+    if not masked:  # the reference skips rows with no mask
+        return set()
+    bars = [1 - factor / (n + 1) for n in range(1, len(masked) + 1)]
+    bars[0] = -1
+    ranked = sorted((conf[i] for i in masked), reverse=True)
+    for top_i in range(len(bars)):
+        if ranked[top_i] < bars[top_i]:
+            break
+    if top_i == 0 or top_i == len(bars) - 1:
+        top_i += 1
+    # top-k of the row; torch.topk leaves the order of ties unspecified, the toolkit takes the lowest position
+    return set(sorted(masked, key=lambda i: (-conf[i], i))[:top_i])
+
+
+def spec_factor(conf, eligible, factor):
+    """Spec 3.2 clean rule: the top n* = max(1, #{n : c_(n) >= 1 - f/(n+1)})."""
+    masked = sorted((i for i in range(len(conf)) if eligible[i]), key=lambda i: (-conf[i], i))
+    n_star = sum(conf[i] >= 1 - factor / (n + 1) for n, i in enumerate(masked, start=1))
+    return set(masked[:max(1, n_star)]) if masked else set()
+
+
+def random_step(rows, factor, seed):
+    """Logits for `rows` independent steps; confidences uniform, on a bar, tied, or exactly 1.0."""
+    g = torch.Generator().manual_seed(seed)
+    u = lambda *shape: torch.rand(shape, dtype=torch.float64, generator=g)  # noqa: E731
+    c = u(rows, C)
+    bars = 1 - factor / (torch.randint(1, C + 1, (rows, C), generator=g) + 1.0)
+    kind = u(rows, C)
+    c = torch.where(kind < 0.2, bars.clamp(0, 1), c)
+    c = torch.where((kind >= 0.2) & (kind < 0.3), torch.ones_like(c), c)
+    c = torch.where((kind >= 0.3) & (kind < 0.5), c[:, :1], c)  # ties with the row's first position
+    c = torch.where(u(rows, 1) < 0.1, (c * 4).round() / 4, c)  # some rows on a coarse grid: many ties
+    probs = torch.cat([c[..., None], ((1 - c) / (V - 1))[..., None].expand(rows, C, V - 1)], -1)
+    # masks left: mostly 1, 2 or 3, sometimes any count, rarely none (finished row)
+    left = torch.randint(1, 4, (rows,), generator=g)
+    left = torch.where(u(rows) < 0.3, torch.randint(0, C + 1, (rows,), generator=g), left)
+    order = torch.rand(rows, C, generator=g).argsort(1)
+    eligible = torch.zeros(rows, C, dtype=torch.bool).scatter(1, order, torch.arange(C)[None] < left[:, None])
+    return probs.log(), eligible
+
+
+def mismatches(rule, factor, compat, rows=4000, seed=0):
+    logits, eligible = random_step(rows, factor, seed)
+    ctx = StepContext(logits, eligible, eligible.clone(), torch.arange(C), torch.zeros(rows, C, dtype=torch.long),
+                      0, 1, 0, torch.Generator().manual_seed(0), 0, 1, 0, C, 0)
+    ours = samplers.SAMPLERS.create("factor", factor=factor, compat=compat).step(ctx).mask
+    conf = torch.softmax(logits, -1).amax(-1).tolist()  # = probability of the greedy token
+    return sum({i for i in range(C) if ours[b, i]} != rule(conf[b], eligible[b].tolist(), factor)
+               for b in range(rows))
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0, 2.0])
+def test_factor_compat_equals_the_reference_rule(factor):
+    assert mismatches(reference_factor, factor, compat=True) == 0
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0, 2.0])
+def test_factor_default_equals_the_spec_rule(factor):
+    assert mismatches(spec_factor, factor, compat=False) == 0
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0, 2.0])
+@pytest.mark.parametrize("compat", [False, True])
+def test_factor_count_at_the_bars(factor, compat):
+    """Confidences exactly on a bar, one ulp under it (the >= / < boundary), or uniform, fed straight to the
+    count."""
+    g = torch.Generator().manual_seed(1)
+    rows = 3000
+    c = 1 - factor / (torch.randint(1, C + 1, (rows, C), generator=g) + 1.0)
+    kind = torch.rand(rows, C, generator=g)
+    c = torch.where(kind < 0.3, c.nextafter(torch.zeros_like(c)), c)
+    c = torch.where(kind > 0.7, torch.rand(rows, C, dtype=torch.float64, generator=g), c).clamp(min=0)
+    left = torch.randint(0, C + 1, (rows,), generator=g)
+    left = torch.where(torch.rand(rows, generator=g) < 0.5, torch.randint(1, 4, (rows,), generator=g), left)
+    ranked = c.masked_fill(torch.arange(C)[None] >= left[:, None], float("-inf")).sort(1, descending=True).values
+    ours = factor_count(ranked, left, factor, compat).tolist()
+    rule = reference_factor if compat else spec_factor
+    want = [len(rule(row, [i < k for i in range(C)], factor)) for row, k in zip(ranked.tolist(), left.tolist())]
+    assert sum(a != b for a, b in zip(ours, want)) == 0
