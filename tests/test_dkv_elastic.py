@@ -1,6 +1,8 @@
 """dKV-Cache and Elastic-Cache (spec dkv_elastic_cache.md section 8): exactness when everything is recomputed,
 store bookkeeping, per-step row and byte accounting against the closed forms, the drift test, batching and
 every sampler over these caches."""
+import warnings
+
 import pytest
 import torch
 
@@ -225,13 +227,80 @@ def test_attention_drift_by_hand():
     assert attention_drift(before, after, torch.zeros(1, 1, dtype=torch.bool), keys, "keys").isnan().all()
 
 
+NEAR_TIE = 1e-5  # a decision this close (in probability) may flip under float rounding: batched and alone
+# forwards differ by up to ~1e-6 in probability on these models (an exact float32 logit tie alone is 1.7e-7 apart
+# batched, issue #14), so exact token equality holds only away from ties; the noise must stay below NEAR_TIE / 2
+
+
+def selection_margins(sampler):
+    """Wrap `sampler.step`: per step, per row, how close its choice of positions was to flipping: the score gap
+    across the selection boundary (least confident commit vs most confident eligible position left) and, for a
+    sampler with a threshold, the distance of any eligible score from it."""
+    margins, step, threshold = [], sampler.step, getattr(sampler, "threshold", None)
+
+    def recording_step(ctx):
+        out = step(ctx)
+        score, inf = out.confidence.double(), float("inf")
+        chosen, left = out.mask & ctx.eligible, ctx.eligible & ~out.mask
+        margin = score.masked_fill(~chosen, inf).amin(1) - score.masked_fill(~left, -inf).amax(1)
+        if threshold is not None:
+            margin = margin.minimum((score - threshold).abs().masked_fill(~ctx.eligible, inf).amin(1))
+        margins.append(margin.tolist())
+        return out
+    sampler.step = recording_step
+    return margins
+
+
+def decisions(model, prompts, sampler, cache, **args):
+    """Decode with a trace; returns the canvas and, per row, its steps that committed something, each
+    ((block, step), ((answer offset, token), ...), confidences, margin). margin: the smallest probability gap
+    of a decision the step took, the top-2 gap of a committed token or the `selection_margins`."""
+    sampler = samplers.SAMPLERS.create(sampler, **args.pop("sampler_args", {}))
+    margins = selection_margins(sampler)
+    canvas, _, trace = decode(model, prompts, sampler, caches.CACHES.create(cache, **args), G, BK,
+                              stop_early=False, trace=True)
+    rows = [[] for _ in prompts]
+    for entry, step_margins in zip(trace, margins, strict=True):
+        for row, commits in enumerate(entry["commits"]):
+            if commits:
+                rows[row].append(((entry["block"], entry["step"]),
+                                  tuple((c["position"] - canvas.prompt_length, c["token"]) for c in commits),
+                                  [c["confidence"] for c in commits],
+                                  min([step_margins[row]] + [c["top2_gap"] for c in commits])))
+    return canvas, rows
+
+
+def assert_same_decisions(got, want, what: str) -> int:
+    """Two runs' steps of one row (`decisions`) commit the same positions and tokens, step for step, with
+    confidences equal to float noise, up to the first step where either takes a near-tie decision; after that
+    the runs may legitimately part. Returns how many steps were compared."""
+    for i, (a, b) in enumerate(zip(got, want)):
+        if min(a[3], b[3]) < NEAR_TIE:
+            warnings.warn(f"{what}: near-tie at block {a[0][0]} step {a[0][1]} (decision gap {a[3]:.2g}, alone "
+                          f"{b[3]:.2g}); compared {i} of {len(want)} steps, skipped {len(want) - i}")
+            return i
+        assert a[:2] == b[:2], f"{what}: step {i} (block, step), (offset, token) commits {a[:2]} != {b[:2]}"
+        noise = max(abs(x - y) for x, y in zip(a[2], b[2]))
+        assert noise < NEAR_TIE / 2, f"{what}: step {i} confidences {a[2]} != {b[2]}"
+    assert len(got) == len(want), f"{what}: {len(got)} != {len(want)} steps"
+    return len(want)
+
+
 @pytest.mark.parametrize("cache,args", [("dkv", {"refresh_every": 3}), ("elastic", {"gamma": float("-inf")})])
 def test_padded_rows_match_their_prompts_alone(model, cache, args):
-    """Row-independent settings (elastic without drift: a drift switches the whole batch) on a ragged batch."""
-    batch, _, _ = run(model, "threshold", cache, sampler_args={"threshold": 0.5}, **args)
+    """Row-independent settings (elastic without drift: a drift switches the whole batch) on a ragged batch:
+    each row decides as its prompt alone, exactly, up to the first near-tie decision (`assert_same_decisions`);
+    most steps must get compared."""
+    run_args = dict(sampler_args={"threshold": 0.5}, **args)
+    batch, batch_steps = decisions(model, PROMPTS, "threshold", cache, **run_args)
+    compared = total = 0
     for row, prompt in enumerate(PROMPTS):
-        alone, _, _ = run(model, "threshold", cache, prompts=[prompt], sampler_args={"threshold": 0.5}, **args)
-        assert torch.equal(batch.tokens[row, batch.prompt_length:], alone.tokens[0, alone.prompt_length:])
+        alone, (alone_steps,) = decisions(model, [prompt], "threshold", cache, **run_args)
+        n = assert_same_decisions(batch_steps[row], alone_steps, f"row {row}")
+        if n == len(alone_steps):
+            assert torch.equal(batch.tokens[row, batch.prompt_length:], alone.tokens[0, alone.prompt_length:])
+        compared, total = compared + n, total + len(alone_steps)
+    assert compared >= total / 2, f"only {compared} of {total} steps compared before near-ties"
 
 
 SAMPLER_ARGS = {"adablock": {"delimiter_ids": ",".join(map(str, range(0, 120, 3))), "delimiter_threshold": 0.0},
