@@ -52,7 +52,7 @@ class ElasticCache(Cache):
     drifts at a layer, every row from the next layer on."""
 
     gamma: float = param(0.9, "recompute the deeper layers when the tracked attention similarity falls below this "
-                         "(> 1: from layer 1 every step; -inf: never)")
+                         "(> 1: from layer 1 every step; -inf: never)", allow_inf=True)
     window_length: int | None = param(None, "beta: leftmost masked positions recomputed every step (None: 16 for "
                                       "LLaDA, 32 for Dream, the authors' scripts)", ge=1)
     track_num: int = param(1, "most-attended decoded tokens tracked per layer", ge=1)

@@ -22,15 +22,17 @@ def random_prompts(model, batch_size: int, prompt_length: int, seed: int) -> lis
     return [pool[pick].tolist()] * batch_size
 
 
-def bench(model, sampler, cache, gen_length: int = 256, block_length: int = 32, steps: int | None = None,
-          batch_size: int = 1, prompt_length: int = 64, repeats: int = 3, seed: int = 0) -> dict:
+def bench(model, sampler, cache, gen_length: int, block_length: int, steps: int | None = None,
+          batch_size: int = 1, prompt_length: int = 64, repeats: int = 3, seed: int = 0, callback=None) -> dict:
+    """`callback` is passed to every `decode` (progress)."""
     prompts = random_prompts(model, batch_size, prompt_length, seed)
     device = model.device
-    decode(model, prompts, sampler, cache, block_length, block_length, None, seed, stop_early=False)  # warm-up
+    decode(model, prompts, sampler, cache, block_length, block_length, None, seed, stop_early=False,
+           callback=callback)  # warm-up
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     runs = [decode(model, prompts, sampler, cache, gen_length, block_length, steps, seed, stop_early=False,
-                   profile=True)[1] for _ in range(repeats)]
+                   profile=True, callback=callback)[1] for _ in range(repeats)]
     stats = sorted(runs, key=lambda s: s.seconds)[len(runs) // 2]
     length = prompt_length + gen_length
     rows = sum(stats.rows_per_layer) / len(stats.rows_per_layer)

@@ -3,12 +3,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import sys
+from pathlib import Path
 from typing import Any
 
 import cache as caches
 import samplers as samplers_mod
 
+from .decode import decoding_lengths
 from .errors import DllmError
 
 DEFAULT_MODEL = "tiny-llada"
@@ -26,14 +30,15 @@ def _key_values(pairs: list[str], flag: str) -> dict[str, str]:
 
 def _add_decoding_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="shipped name, random:<preset> or a local directory")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU)")
     p.add_argument("--sampler", default="low_confidence")
     p.add_argument("--sampler-arg", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--cache", default="none")
     p.add_argument("--cache-arg", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--gen-length", type=int, default=64)
-    p.add_argument("--block-length", type=int, default=32)
+    p.add_argument("--gen-length", type=int, default=None,
+                   help="answer tokens (default: the model's generation_config.json, else 64)")
+    p.add_argument("--block-length", type=int, default=None, help="(default: the model's, else 32)")
     p.add_argument("--steps", type=int, default=None, help="total steps (default: gen-length)")
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -50,21 +55,65 @@ def _policies(args) -> tuple[Any, Any]:
     return sampler, cache
 
 
+def _stdin_lines():
+    """Lines of standard input as they arrive, which must be UTF-8."""
+    for number, raw in enumerate(getattr(sys.stdin, "buffer", sys.stdin), 1):
+        try:
+            yield raw.decode("utf-8") if isinstance(raw, bytes) else raw
+        except UnicodeDecodeError:
+            raise DllmError(f"line {number} of standard input is not UTF-8 text; convert it, e.g. with "
+                            f"iconv -t UTF-8") from None
+
+
+def _check_writable_file(path: str, flag: str) -> None:
+    """Fail before any work if `path` cannot be written (tried, not guessed: root ignores permission bits)."""
+    target = Path(path)
+    if target.is_dir():
+        raise DllmError(f"{flag} {path} is a directory; give a file name")
+    if not target.parent.is_dir():
+        raise DllmError(f"{flag} {path}: folder {target.parent} does not exist; create it or choose another path")
+    try:
+        if target.exists():
+            open(target, "a").close()  # appends nothing
+        else:
+            open(target, "x").close()
+            target.unlink()
+    except OSError as e:
+        raise DllmError(f"{flag} {path} is not writable ({e.strerror}); choose another path") from None
+
+
+def _write_atomically(path: str, text: str) -> None:
+    """Write the whole file or nothing (a temporary file renamed into place)."""
+    tmp = Path(f"{path}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _progress(args, total: int, desc: str):
+    """A tqdm bar on stderr, off with --json and when stderr is not a terminal."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="tok", disable=getattr(args, "json", False) or not sys.stderr.isatty(),
+                leave=False)
+
+
 def _generate(args) -> int:
     import dllm
 
-    prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    prompts = args.prompts or [line.rstrip("\r\n") for line in _stdin_lines() if line.strip()]
     if not prompts:
         raise DllmError("no prompt given; pass PROMPT arguments or pipe prompts on stdin, one per line")
+    if args.trace:
+        _check_writable_file(args.trace, "--trace")
     sampler, cache = _policies(args)
     model, tok = dllm.load(args.model, device=args.device, dtype=args.dtype)
-    out = dllm.generate(model, tok, prompts, sampler=sampler, cache=cache, gen_length=args.gen_length,
-                        block_length=args.block_length, steps=args.steps, seed=args.seed, chat=args.chat,
-                        trace=args.trace is not None)
+    lengths = decoding_lengths(model, args.gen_length, args.block_length, args.steps)
+    with _progress(args, len(prompts) * lengths["gen_length"], "generate") as bar:
+        out = dllm.generate(model, tok, prompts, sampler=sampler, cache=cache, **lengths, seed=args.seed,
+                            chat=args.chat, trace=args.trace is not None,
+                            callback=lambda info: bar.update(info["committed"]))
     if args.trace:
-        with open(args.trace, "w") as f:
-            for record in out.trace:
-                f.write(json.dumps(record) + "\n")
+        _write_atomically(args.trace, "".join(json.dumps(record) + "\n" for record in out.trace))
     stats = out.stats.as_dict()
     if args.json:
         print(json.dumps({"outputs": [{"text": t, "token_ids": ids} for t, ids in zip(out.texts, out.token_ids)],
@@ -85,16 +134,17 @@ def _chat(args) -> int:
     model, tok = dllm.load(args.model, device=args.device, dtype=args.dtype)
     if getattr(tok, "chat_template", None) is None:
         raise DllmError(f"{args.model} has no chat template; use `dllm generate --no-chat`")
+    lengths = decoding_lengths(model, args.gen_length, args.block_length, args.steps)
     messages: list[dict[str, str]] = []
-    print("chat with", args.model, "(empty line to quit)", file=sys.stderr)
-    for line in sys.stdin:
-        if not line.strip():
+    if sys.stdin.isatty():
+        print("chat with", args.model, "(empty line to quit)", file=sys.stderr)
+    for line in _stdin_lines():
+        line = line.strip()
+        if not line:
             break
-        messages.append({"role": "user", "content": line.strip()})
+        messages.append({"role": "user", "content": line})
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        ids = tok(text, add_special_tokens=False)["input_ids"]
-        answer = dllm.generate(model, tok, [ids], sampler, cache, args.gen_length, args.block_length, args.steps,
-                               args.seed, chat=False).texts[0]
+        answer = dllm.generate(model, tok, [text], sampler, cache, **lengths, seed=args.seed, chat=False).texts[0]
         messages.append({"role": "assistant", "content": answer})
         print(answer, flush=True)
     return 0
@@ -102,6 +152,21 @@ def _chat(args) -> int:
 
 def _eval(args) -> int:
     """One configuration, the task's reference solutions (--gold), or a sweep of configurations (--sweep)."""
+    from eval.harness import check_output_dir, count_records
+
+    if args.output:
+        check_output_dir(args.output)
+    try:
+        return _run_eval(args)
+    except KeyboardInterrupt:
+        kept = f"{count_records(args.output)} records kept in {args.output}" if args.output else "nothing kept"
+        resume = "rerun the same command to resume: " + shlex.join(["dllm", *sys.argv[1:]]) if args.output \
+            else "add --output DIR to keep the records and resume"
+        print(f"error: interrupted; {kept}; {resume}", file=sys.stderr)
+        return 130
+
+
+def _run_eval(args) -> int:
     import dllm
     from accelerate import PartialState
     from eval.harness import evaluate
@@ -123,7 +188,7 @@ def _eval(args) -> int:
         sampler, cache = _policies(args)
         device = f"cuda:{state.local_process_index}" if args.device == "cuda" else args.device  # one GPU each
         model, tok = dllm.load(args.model, device=device, dtype=args.dtype)
-        decode_args = dict(gen_length=args.gen_length, block_length=args.block_length, steps=args.steps,
+        decode_args = dict(**decoding_lengths(model, args.gen_length, args.block_length, args.steps),
                            seed=args.seed, chat=args.chat, model_name=args.model, **data_args)
         if args.sweep:
             if not args.output:
@@ -131,6 +196,9 @@ def _eval(args) -> int:
             result = run_sweep(model, tok, args.task, args.sweep, args.output, args.sampler, args.cache,
                                sampler_args, cache_args, **decode_args)
             if state.is_main_process:
+                if result.get("plot") is None:
+                    print("note: pareto.png not drawn: matplotlib is missing; pip install 'dllm-fast[plot]'",
+                          file=sys.stderr)
                 print(json.dumps(result) if args.json else table(result), end="")
             return 0
         summary = evaluate(model, tok, args.task, sampler, cache, output=args.output, **decode_args)
@@ -153,10 +221,18 @@ def _bench(args) -> int:
     import dllm
     from .bench import bench, format_result
 
+    for flag, value in (("--batch-size", args.batch_size), ("--prompt-length", args.prompt_length),
+                        ("--repeats", args.repeats)):
+        if value < 1:
+            raise DllmError(f"{flag} must be at least 1, got {value}")
     sampler, cache = _policies(args)
     model, _ = dllm.load(args.model, device=args.device, dtype=args.dtype)
-    result = bench(model, sampler, cache, args.gen_length, args.block_length, args.steps, args.batch_size,
-                   args.prompt_length, args.repeats, args.seed)
+    lengths = decoding_lengths(model, args.gen_length, args.block_length, args.steps)
+    total = args.batch_size * (lengths["block_length"] + args.repeats * lengths["gen_length"])  # warm-up + runs
+    with _progress(args, total, "bench") as bar:
+        result = bench(model, sampler, cache, **lengths, batch_size=args.batch_size,
+                       prompt_length=args.prompt_length, repeats=args.repeats, seed=args.seed,
+                       callback=lambda info: bar.update(info["committed"]))
     print(json.dumps(result) if args.json else format_result(result), end="\n" if args.json else "")
     return 0
 
@@ -174,13 +250,21 @@ def _list(args) -> int:
     for e in entries:
         print(e["name"] + (f": {e['doc']}" if e.get("doc") else ""))
         for p in e.get("params", []):
-            print(f"    {p['name']} ({p['type']}, default {p['default']}): {p['doc']}")
+            default = repr(p["default"]) if isinstance(p["default"], str) else p["default"]
+            print(f"    {p['name']} ({p['type']}, default {default}): {p['doc']}")
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its usage errors as one `error:` line that names the help (exit 2)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message}; see `{self.prog} --help`\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="dllm", description="Fast parallel decoding for diffusion LLMs")
-    sub = ap.add_subparsers(dest="command", required=True)
+    ap = _Parser(prog="dllm", description="Fast parallel decoding for diffusion LLMs")
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
     g = sub.add_parser("generate", help="decode prompts (arguments or stdin, one per line)")
     g.add_argument("prompts", nargs="*", metavar="PROMPT")
     _add_decoding_flags(g)
@@ -225,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     except DllmError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import Tensor
@@ -65,8 +65,13 @@ class Canvas:
         cfg = model.config
         if not prompts:
             raise DllmError("no prompts given; pass at least one prompt")
-        if any(len(p) == 0 for p in prompts):
-            raise DllmError("a prompt is empty; every prompt needs at least one token")
+        for row, ids in enumerate(prompts):
+            if len(ids) == 0:
+                raise DllmError(f"prompt {row} is empty; every prompt needs at least one token")
+            bad = next((t for t in ids if not 0 <= t < cfg.vocab_size), None)
+            if bad is not None:
+                raise DllmError(f"prompt {row} has token id {bad}, outside the model's vocabulary "
+                                f"[0, {cfg.vocab_size}); encode it with the model's tokenizer")
         width = max(map(len, prompts))
         length = width + gen_length
         if length > cfg.max_length:
@@ -84,8 +89,21 @@ class Canvas:
         return cls(tokens.to(device), positions.to(device), None if key_mask is None else key_mask.to(device), width)
 
 
+def check_int(name: str, value: Any, minimum: int | None = None) -> int:
+    """`value` as an int (a bool, float or string is a one-line error naming `name`)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise DllmError(f"{name} must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise DllmError(f"{name} must be at least {minimum}, got {value}")
+    return value
+
+
 def check_lengths(gen_length: int, block_length: int, steps: int | None) -> int:
     """Validate the block layout; return steps per block."""
+    check_int("gen_length", gen_length)
+    check_int("block_length", block_length)
+    if steps is not None:
+        check_int("steps", steps)
     if gen_length < 1 or block_length < 1:
         raise DllmError(f"gen_length ({gen_length}) and block_length ({block_length}) must be positive")
     if gen_length % block_length:
@@ -117,10 +135,13 @@ def _finish_rows(canvas: Canvas, finished: Tensor, cfg) -> Tensor:
 @torch.no_grad()
 def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache: Cache, gen_length: int,
            block_length: int, steps: int | None = None, seed: int = 0, stop_early: bool = True,
-           trace: bool = False, profile: bool = False) -> tuple[Canvas, Stats, list[dict] | None]:
+           trace: bool = False, profile: bool = False, callback: Callable[[dict], None] | None = None
+           ) -> tuple[Canvas, Stats, list[dict] | None]:
     """Decode token-id prompts; returns the final canvas, statistics and (optionally) a per-step trace.
     `profile` times every forward (synchronizing the device) into `stats.forward_seconds` by kind: `full`
-    (every canvas row computed), `cached` (the other rows read from the cache), `verify` (draft batches)."""
+    (every canvas row computed), `cached` (the other rows read from the cache), `verify` (draft batches).
+    `callback`, if given, is called after every step with `{"block", "step", "committed"}` (tokens committed
+    by the step over the batch), e.g. for a progress bar."""
     cfg = model.config
     if cfg.pad_id == cfg.mask_id:
         raise DllmError("the model's pad id equals its mask id; fix pad_token_id in config.json")
@@ -231,6 +252,8 @@ def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache
                 steps_trace.append(_trace_step(block, step, rows_per_layer, positions, commit, out, logits))
             if stop_early:
                 finished = _finish_rows(canvas, finished, cfg)
+            if callback is not None:
+                callback({"block": block, "step": step, "committed": int(commit.sum())})
             step += 1
         start, block = end, block + 1
     stats.seconds = _clock(model.device) - start_time
@@ -268,31 +291,71 @@ class Generation:
 
 
 def encode_prompts(tokenizer, prompts, chat: bool | None) -> list[list[int]]:
-    """Token ids of each prompt; `chat` wraps it as a user turn with the tokenizer's chat template."""
+    """Token ids of each prompt (a string, or a list of token ids); `chat` wraps a string as a user turn with
+    the tokenizer's chat template. Characters the tokenizer does not know are an error, never a silent unk."""
     if isinstance(prompts, str):
         prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise DllmError(f"prompts must be a string or a non-empty list of strings or token-id lists, got {prompts!r}")
+    if chat is not None and not isinstance(chat, bool):
+        raise DllmError(f"chat must be True, False or None (the tokenizer decides), got {chat!r}")
     if chat is None:
         chat = getattr(tokenizer, "chat_template", None) is not None
     if chat and getattr(tokenizer, "chat_template", None) is None:
         raise DllmError("this tokenizer has no chat template; pass chat=False (--no-chat)")
     out = []
-    for p in prompts:
-        if not isinstance(p, str):  # already token ids
+    for row, p in enumerate(prompts):
+        if isinstance(p, str):
+            out.append(_encode_text(tokenizer, p, row, chat))
+        elif isinstance(p, (list, tuple, Tensor)) and all(_is_int(t) for t in p):
             out.append([int(t) for t in p])
-            continue
-        text = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                             tokenize=False) if chat else p
-        out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+        else:
+            raise DllmError(f"prompt {row} is {p!r}; a prompt is a string or a list of token ids "
+                            f"(wrap one prompt's ids in a list: [[1, 2, 3]])")
     return out
 
 
-def split_params(sampler: str | Sampler, cache: str | Cache, params: dict[str, Any]):
-    """Route keyword parameters to the sampler or the cache by name; unknown names are an error."""
+def _is_int(t) -> bool:
+    return (isinstance(t, int) and not isinstance(t, bool)) or (isinstance(t, Tensor) and t.dim() == 0
+                                                                 and not t.dtype.is_floating_point)
+
+
+def _encode_text(tokenizer, text: str, row: int, chat: bool) -> list[int]:
+    if not text.strip():
+        raise DllmError(f"prompt {row} is empty; give some text")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise DllmError(f"prompt {row} is not valid UTF-8 text; convert it to UTF-8") from None
+    if chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=False)
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None or not getattr(tokenizer, "is_fast", False):  # byte-level BPE (the real models) has no unk
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    unknown = sorted({text[a:b] for t, (a, b) in zip(enc["input_ids"], enc["offset_mapping"])
+                      if t == unk and text[a:b] != tokenizer.unk_token})
+    if unknown:
+        raise DllmError(f"prompt {row} has characters the tokenizer does not know: "
+                        f"{', '.join(map(repr, unknown))}; remove or replace them")
+    return enc["input_ids"]
+
+
+def split_params(sampler: str | Sampler, cache: str | Cache, params: dict[str, Any],
+                 sampler_args: dict[str, Any] | None = None, cache_args: dict[str, Any] | None = None):
+    """Build the sampler and the cache. `params` are routed by name; a name that both take must go through
+    `sampler_args` or `cache_args` instead (never a silent choice); unknown names are an error."""
     sampler_cls = type(sampler) if isinstance(sampler, samplers_mod.Sampler) else samplers_mod.SAMPLERS.get(sampler)
     cache_cls = type(cache) if isinstance(cache, caches.Cache) else caches.CACHES.get(cache)
-    s_args = {k: v for k, v in params.items() if k in sampler_cls.param_names()}
-    c_args = {k: v for k, v in params.items() if k in cache_cls.param_names() and k not in s_args}
-    unknown = sorted(set(params) - set(s_args) - set(c_args))
+    both = sorted(set(params) & set(sampler_cls.param_names()) & set(cache_cls.param_names()))
+    if both:
+        raise DllmError(f"parameter {both[0]!r} is taken by both sampler {sampler_cls.name!r} and cache "
+                        f"{cache_cls.name!r}; say which with sampler_args={{...}} or cache_args={{...}} "
+                        f"(CLI: --sampler-arg or --cache-arg)")
+    s_args = {**{k: v for k, v in params.items() if k in sampler_cls.param_names()}, **(sampler_args or {})}
+    c_args = {**{k: v for k, v in params.items() if k in cache_cls.param_names()}, **(cache_args or {})}
+    unknown = sorted(set(params) - set(sampler_cls.param_names()) - set(cache_cls.param_names()))
     if unknown:
         raise DllmError(f"unknown parameter {unknown[0]!r} for sampler {sampler_cls.name!r} and cache "
                         f"{cache_cls.name!r}; sampler takes {', '.join(sampler_cls.param_names())}, cache takes "
@@ -300,19 +363,45 @@ def split_params(sampler: str | Sampler, cache: str | Cache, params: dict[str, A
     return samplers_mod.SAMPLERS.create(sampler, **s_args), caches.CACHES.create(cache, **c_args)
 
 
+DEFAULT_GEN_LENGTH = 64  # answer tokens: the canvas the shipped tiny models were trained on (48..64)
+DEFAULT_BLOCK_LENGTH = 32
+
+
+def decoding_lengths(model: DiffusionLM, gen_length: int | None = None, block_length: int | None = None,
+                     steps: int | None = None) -> dict[str, int | None]:
+    """gen_length, block_length and steps to decode with: the caller's, else the model directory's
+    (`generation_config.json`), else ours. Validated, so a bad value fails before any work."""
+    own = getattr(model, "generation_defaults", {})
+    gen_length = own.get("gen_length", DEFAULT_GEN_LENGTH) if gen_length is None else gen_length
+    block_length = own.get("block_length", DEFAULT_BLOCK_LENGTH) if block_length is None else block_length
+    if steps is None:
+        steps = own.get("steps")
+    check_lengths(gen_length, block_length, steps)
+    return {"gen_length": gen_length, "block_length": block_length, "steps": steps}
+
+
 def generate(model: DiffusionLM, tokenizer, prompts, sampler: str | Sampler = "low_confidence",
-             cache: str | Cache = "none", gen_length: int = 128, block_length: int = 32, steps: int | None = None,
-             seed: int = 0, chat: bool | None = None, stop_early: bool = True, trace: bool = False,
+             cache: str | Cache = "none", gen_length: int | None = None, block_length: int | None = None,
+             steps: int | None = None, seed: int = 0, chat: bool | None = None, stop_early: bool = True,
+             trace: bool = False, sampler_args: dict[str, Any] | None = None,
+             cache_args: dict[str, Any] | None = None, callback: Callable[[dict], None] | None = None,
              **params: Any) -> Generation:
     """Generate answers for a batch of prompts (strings, or lists of token ids).
 
     `params` go to the sampler or the cache by name (e.g. `threshold=0.9`, `temperature=0.5`,
-    `refresh_every=4`). steps defaults to gen_length (one token per step for schedule-driven samplers)."""
-    sampler, cache = split_params(sampler, cache, params)
+    `refresh_every=4`); a name both take goes in `sampler_args`/`cache_args`. gen_length and block_length
+    default to the model directory's `generation_config.json`, else 64 and 32; steps to gen_length (one token
+    per step for schedule-driven samplers). `callback` is called after every step (see `decode`)."""
+    sampler, cache = split_params(sampler, cache, params, sampler_args, cache_args)
+    lengths = decoding_lengths(model, gen_length, block_length, steps)
+    check_int("seed", seed)
+    for name, flag in (("stop_early", stop_early), ("trace", trace)):
+        if not isinstance(flag, bool):
+            raise DllmError(f"{name} must be True or False, got {flag!r}")
     ids = encode_prompts(tokenizer, prompts, chat)
     sampler.prepare(tokenizer)
-    canvas, stats, steps_trace = decode(model, ids, sampler, cache, gen_length, block_length, steps, seed,
-                                        stop_early, trace)
+    canvas, stats, steps_trace = decode(model, ids, sampler, cache, **lengths, seed=seed, stop_early=stop_early,
+                                        trace=trace, callback=callback)
     cfg = model.config
     token_ids, texts = [], []
     for row in canvas.tokens[:, canvas.prompt_length:].tolist():

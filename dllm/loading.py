@@ -31,8 +31,11 @@ def load(name_or_path: str, device: str | torch.device = "cpu", dtype: torch.dty
     """Return `(model, tokenizer)` for a shipped name (`tiny-llada`), `random:<preset>`, or a local directory.
 
     dtype defaults to the checkpoint's own float type on GPU and float32 on CPU."""
-    if isinstance(dtype, str):
-        dtype = _parse_dtype(dtype)
+    if not isinstance(name_or_path, (str, Path)) or not str(name_or_path):
+        raise DllmError(f"model must be a name or a directory, got {name_or_path!r}; e.g. load(\"tiny-llada\")")
+    name_or_path = str(name_or_path)
+    device = parse_device(device)
+    dtype = parse_dtype(dtype) if dtype is not None else None
     if name_or_path.startswith("random:"):
         return _load_random(name_or_path.removeprefix("random:"), device, dtype or torch.float32, seed)
     path = SHIPPED_DIR / name_or_path if (SHIPPED_DIR / name_or_path / "config.json").exists() else Path(name_or_path)
@@ -42,12 +45,37 @@ def load(name_or_path: str, device: str | torch.device = "cpu", dtype: torch.dty
     return load_dir(path, device, dtype)
 
 
-def _parse_dtype(name: str) -> torch.dtype:
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
-    if name not in table:
-        raise DllmError(f"unknown dtype {name!r}; use one of {', '.join(table)}")
-    return table[name]
+def parse_device(device) -> torch.device:
+    """A usable torch device, or a one-line error naming the fix (e.g. `cuda` on a machine without a GPU)."""
+    if not isinstance(device, (str, torch.device)):
+        raise DllmError(f"device must be a string such as 'cpu' or 'cuda', got {device!r}")
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise DllmError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DllmError("CUDA is not available on this machine (no GPU or a CPU-only torch); use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise DllmError(f"there is no {device}: this machine has {torch.cuda.device_count()} GPU(s)")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise DllmError("MPS is not available on this machine; use --device cpu")
+    elif device.type not in ("cpu", "cuda", "mps"):
+        raise DllmError(f"device {str(device)!r} is not supported; use cpu, cuda or cuda:N")
+    return device
+
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """A floating-point torch dtype from its name or itself."""
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
+        return DTYPES[dtype.removeprefix("torch.")]
+    raise DllmError(f"unsupported dtype {dtype!r}; use one of float32, bfloat16, float16")
 
 
 def _load_random(preset: str, device, dtype: torch.dtype, seed: int):
@@ -111,23 +139,51 @@ def load_dir(path: Path, device="cpu", dtype: torch.dtype | None = None):
     except (KeyError, ValueError) as e:
         raise DllmError(f"{path / 'config.json'}: {e if isinstance(e, ValueError) else f'missing field {e}'}") from None
     if dtype is None:
-        dtype = torch.float32 if torch.device(device).type == "cpu" else _parse_dtype(hf.get("torch_dtype", "bfloat16"))
+        dtype = torch.float32 if torch.device(device).type == "cpu" else parse_dtype(hf.get("torch_dtype", "bfloat16"))
     model = build_model(cfg, device, dtype)
     load_weights(model, path, arch.WEIGHT_NAMES)
+    model.generation_defaults = read_generation_config(path)
     return model.eval(), tokenizer
+
+
+# generation_config.json key -> `dllm.generate` keyword (the HF name for the answer length, LLaDA's for the rest)
+GENERATION_KEYS = {"max_new_tokens": "gen_length", "block_length": "block_length", "steps": "steps"}
+
+
+def read_generation_config(path: Path) -> dict[str, int]:
+    """The decoding defaults a checkpoint directory carries in `generation_config.json` (they win over ours)."""
+    file = path / "generation_config.json"
+    if not file.exists():
+        return {}
+    try:
+        hf = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise DllmError(f"{file} is not valid JSON ({e}); fix or delete it") from None
+    out = {ours: hf[key] for key, ours in GENERATION_KEYS.items() if hf.get(key) is not None}
+    for name, value in out.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise DllmError(f"{file}: {name} must be a positive integer, got {value!r}; fix or delete it")
+    return out
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")  # any one of them
 
 
 def load_tokenizer(path: Path, arch):
     from transformers import AutoTokenizer
     from transformers.utils import logging
 
+    if not any((path / f).exists() for f in TOKENIZER_FILES):
+        raise DllmError(f"{path} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); copy them from the "
+                        f"original checkpoint")
     verbosity = logging.get_verbosity()
     logging.set_verbosity_error()  # AutoTokenizer warns that it does not know our model types; it needs not
     try:
         tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     except Exception as e:  # Dream ships a remote-code tokenizer class; its vocab files are plain Qwen2
         if arch.MODEL_TYPE != "Dream":
-            raise DllmError(f"cannot load the tokenizer in {path}: {e}") from None
+            raise DllmError(f"cannot load the tokenizer in {path} ({type(e).__name__}: {_first_line(e)}); "
+                            f"check its tokenizer files") from None
         from transformers import Qwen2Tokenizer
 
         tok = Qwen2Tokenizer.from_pretrained(str(path))
@@ -135,6 +191,10 @@ def load_tokenizer(path: Path, arch):
         logging.set_verbosity(verbosity)
     tok.padding_side = "left"
     return tok
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [""])[0]
 
 
 def weight_names(table: dict[str, str], n_layers: int) -> dict[str, str]:
@@ -165,7 +225,8 @@ def _shard_files(path: Path) -> dict[str, Path]:
             with safe_open(str(single), framework="pt") as f:
                 return {name: single for name in f.keys()}
         except Exception as e:
-            raise DllmError(f"{single} is corrupt ({type(e).__name__}: {e}); re-download the checkpoint") from None
+            raise DllmError(f"{single} is corrupt ({type(e).__name__}: {_first_line(e)}); "
+                            f"re-download the checkpoint") from None
     if list(path.glob("*.bin")) or list(path.glob("*.pt")):
         raise DllmError(f"{path} has only pickle weights (*.bin/*.pt); convert them to safetensors")
     raise DllmError(f"{path} has no model.safetensors or model.safetensors.index.json; download the weights")
@@ -200,7 +261,8 @@ def load_weights(model: DiffusionLM, path: Path, table: dict[str, str]) -> None:
         except DllmError:
             raise
         except Exception as e:
-            raise DllmError(f"{f} is corrupt ({type(e).__name__}: {e}); re-download the checkpoint") from None
+            raise DllmError(f"{f} is corrupt ({type(e).__name__}: {_first_line(e)}); "
+                            f"re-download the checkpoint") from None
 
 
 def save_pretrained(model: DiffusionLM, tokenizer, path: str | Path) -> None:
@@ -213,6 +275,10 @@ def save_pretrained(model: DiffusionLM, tokenizer, path: str | Path) -> None:
     save_file({ours_to_ckpt[n]: p.detach().contiguous().cpu() for n, p in params.items()},
               str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(arch.hf_config(model.config), indent=2) + "\n")
+    if model.generation_defaults:
+        ours_to_hf = {ours: key for key, ours in GENERATION_KEYS.items()}
+        config = {ours_to_hf[name]: value for name, value in model.generation_defaults.items()}
+        (path / "generation_config.json").write_text(json.dumps(config, indent=2) + "\n")
     if tokenizer is not None:
         from .tokenizer import save_tokenizer
 

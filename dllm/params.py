@@ -6,6 +6,7 @@ strings (CLI `KEY=VALUE`) are converted by the field's type, and every bad value
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from typing import Any, ClassVar
@@ -14,12 +15,16 @@ from .errors import DllmError
 
 
 def param(default: Any, doc: str, *, ge: float | None = None, le: float | None = None, gt: float | None = None,
-          lt: float | None = None, choices: tuple | None = None) -> Any:
-    return dataclasses.field(default=default, metadata=dict(doc=doc, ge=ge, le=le, gt=gt, lt=lt, choices=choices))
+          lt: float | None = None, choices: tuple | None = None, allow_inf: bool = False) -> Any:
+    """A policy parameter. Floats must be finite unless `allow_inf` (e.g. a threshold that inf switches off)."""
+    return dataclasses.field(default=default, metadata=dict(doc=doc, ge=ge, le=le, gt=gt, lt=lt, choices=choices,
+                                                            allow_inf=allow_inf))
 
 
 def _convert(value: Any, hint: Any, where: str) -> Any:
-    """Convert `value` to the annotated type (`float`, `int`, `bool`, `str`, or `X | None`)."""
+    """Convert `value` to the annotated type (`float`, `int`, `bool`, `str`, or `X | None`). Strings (CLI
+    `KEY=VALUE`) are parsed; a bool is never taken as a number, nor a number other than 0/1 as a bool, nor NaN
+    as a float."""
     options = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union \
         else (hint,)
     if value is None or (isinstance(value, str) and value.lower() == "none"):
@@ -27,22 +32,31 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
             return None
         raise DllmError(f"{where} cannot be None; give a value")
     kind = next(t for t in options if t is not type(None))
+    bad = DllmError(f"{where} must be {kind.__name__}, got {value!r}")
+    if kind in (int, float) and isinstance(value, bool):
+        raise bad
     try:
         if kind is bool:
             if isinstance(value, str):
                 if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
                     raise ValueError
                 return value.lower() in ("true", "1", "yes")
+            if value not in (0, 1):
+                raise ValueError
             return bool(value)
         if kind is int:
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError
             return int(value)
         if kind is float:
-            return float(value)
-        return kind(value)
+            converted = float(value)
+        else:
+            return kind(value)
     except (TypeError, ValueError):
-        raise DllmError(f"{where} must be {kind.__name__}, got {value!r}") from None
+        raise bad from None
+    if math.isnan(converted):
+        raise DllmError(f"{where} must be a number, got nan")
+    return converted
 
 
 def _params(obj) -> list[dataclasses.Field]:
@@ -66,6 +80,8 @@ class Params:
             m = f.metadata
             if value is None or not m:
                 continue
+            if isinstance(value, float) and math.isinf(value) and not m.get("allow_inf"):
+                raise DllmError(f"{where} must be finite, got {value}; give a number")
             for key, ok, word in (("ge", lambda v, b: v >= b, ">="), ("le", lambda v, b: v <= b, "<="),
                                   ("gt", lambda v, b: v > b, ">"), ("lt", lambda v, b: v < b, "<")):
                 if m.get(key) is not None and not ok(value, m[key]):
@@ -79,7 +95,7 @@ class Params:
     @classmethod
     def describe(cls) -> dict[str, Any]:
         hints = typing.get_type_hints(cls)
-        doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
+        doc = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())  # the first paragraph, whole
         return {"name": cls.name, "doc": doc, "params": [
             {"name": f.name, "type": str(hints[f.name]).replace("<class '", "").replace("'>", ""),
              "default": f.default, "doc": f.metadata.get("doc", "")} for f in _params(cls)]}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import tempfile
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +24,7 @@ from tqdm import tqdm
 
 import cache as caches
 import samplers as samplers_mod
-from dllm.decode import generate
+from dllm.decode import check_int, decoding_lengths, encode_prompts, generate
 from dllm.errors import DllmError
 
 from .tasks import Item, get_task
@@ -32,7 +33,8 @@ VERSIONED_PACKAGES = ("dllm-fast", "torch", "transformers", "tokenizers", "accel
 
 
 def evaluate(model, tokenizer, task: str, sampler: str | Any = "low_confidence", cache: str | Any = "none",
-             gen_length: int = 64, block_length: int = 32, steps: int | None = None, limit: int | None = None,
+             gen_length: int | None = None, block_length: int | None = None, steps: int | None = None,
+             limit: int | None = None,
              batch_size: int = 16, output: str | Path | None = None, seed: int = 0, chat: bool | None = None,
              sampler_args: dict | None = None, cache_args: dict | None = None, model_name: str = "",
              data: str | Path | None = None, num_fewshot: int | None = None, gold: bool = False) -> dict[str, Any]:
@@ -41,11 +43,12 @@ def evaluate(model, tokenizer, task: str, sampler: str | Any = "low_confidence",
     from accelerate import PartialState
 
     spec = get_task(task)
-    if batch_size < 1:
-        raise DllmError(f"batch_size ({batch_size}) must be at least 1")
-    shots = spec.default_fewshot if num_fewshot is None else num_fewshot
-    if shots < 0:
-        raise DllmError(f"num_fewshot ({shots}) must be 0 or more")
+    check_int("batch_size", batch_size, 1)
+    if limit is not None:
+        check_int("limit", limit, 1)
+    shots = spec.default_fewshot if num_fewshot is None else check_int("num_fewshot", num_fewshot, 0)
+    if output:
+        check_output_dir(output)
     items, source = spec.load(None if data is None else str(data), shots)
     items = items[:limit] if limit else items
     config: dict[str, Any] = {"task": task, "num_fewshot": shots, "data": source, "limit": limit,
@@ -55,6 +58,8 @@ def evaluate(model, tokenizer, task: str, sampler: str | Any = "low_confidence",
         cache = caches.CACHES.create(cache, **(cache_args or {}))
         sampler.prepare(tokenizer)
         chat = getattr(tokenizer, "chat_template", None) is not None if chat is None else chat
+        gen_length, block_length, steps = decoding_lengths(model, gen_length, block_length, steps).values()
+        _check_context(model, tokenizer, items, chat, gen_length, shots)
         config.update(model=model_name, sampler=sampler.config(), cache=cache.config(), gen_length=gen_length,
                       block_length=block_length, steps=steps, seed=seed, chat=chat, dtype=str(model.dtype))
 
@@ -80,7 +85,7 @@ def evaluate(model, tokenizer, task: str, sampler: str | Any = "low_confidence",
     total = sum(map(len, mine))
     with ThreadPoolExecutor(os.cpu_count()) as scorer, \
             tqdm(total=total, initial=total - sum(map(len, todo)), desc=f"eval {task}",
-                 disable=not state.is_main_process) as bar:
+                 disable=None if state.is_main_process else True) as bar:  # None: off when not a terminal
         for batch in todo:
             if gold:
                 texts, lengths, stats = [it.gold for it in batch], [0] * len(batch), None
@@ -108,6 +113,42 @@ def evaluate(model, tokenizer, task: str, sampler: str | Any = "low_confidence",
         _write_records(out_dir / "results.jsonl", done + [r for i, r in records.items() if i not in ids])
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def check_output_dir(output: str | Path) -> None:
+    """Fail before any work if `output` cannot hold the results (tried: root ignores permission bits)."""
+    out = Path(output)
+    if out.exists() and not out.is_dir():
+        raise DllmError(f"--output {output} is a file; give a directory")
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not existing.is_dir():
+        raise DllmError(f"--output {output}: {existing} is a file; give a directory path")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise DllmError(f"--output {output} is not writable ({existing}: {e.strerror}); choose another "
+                        f"directory") from None
+
+
+def count_records(output: str | Path) -> int:
+    return len(_read_records(Path(output) / "results.jsonl"))
+
+
+def _check_context(model, tokenizer, items: list[Item], chat: bool, gen_length: int, shots: int) -> None:
+    """Every prompt plus the answer must fit the model's context; say what to lower before decoding anything."""
+    if not items:
+        return
+    try:
+        longest = max(len(ids) for ids in encode_prompts(tokenizer, [it.prompt for it in items], chat))
+    except DllmError as e:
+        raise DllmError(f"this model's tokenizer cannot read the task's prompts ({e}); use a model whose "
+                        f"vocabulary covers the task (the shipped tiny models know only the synthetic task)") from None
+    context = model.config.max_length
+    if longest + gen_length > context:
+        raise DllmError(f"the longest prompt has {longest} tokens, which with gen_length {gen_length} exceeds the "
+                        f"model's context of {context}; lower --num-fewshot (now {shots}) or --gen-length, or use "
+                        f"a model with a longer context")
 
 
 def _decode_batch(model, tokenizer, batch: list[Item], sampler, cache, gen_length, block_length, steps, seed,

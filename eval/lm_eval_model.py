@@ -26,19 +26,19 @@ class DllmLM(LM):
     """Answers `generate_until` requests (objects whose `.args` is `(context, {"until": [...], ...})`)."""
 
     def __init__(self, model: str = "tiny-llada", sampler: str = "low_confidence", cache: str = "none",
-                 gen_length: int = 256, block_length: int = 32, steps: int | None = None, seed: int = 0,
+                 gen_length: int | None = None, block_length: int | None = None, steps: int | None = None,
+                 seed: int = 0,
                  device: str = "cpu", dtype: str | None = None, batch_size: int | str = 1,
                  max_batch_size: int | None = None, **params) -> None:  # lm-eval passes max_batch_size
         super().__init__()
         import dllm
-        from dllm.decode import check_lengths, split_params
+        from dllm.decode import decoding_lengths, split_params
 
         if not str(batch_size).isdigit() or int(batch_size) < 1:
             raise DllmError(f"batch_size must be a positive integer, got {batch_size!r}")
-        check_lengths(gen_length, block_length, steps)
         self.sampler, self.cache = split_params(sampler, cache, params)
         self.model, self.tokenizer = dllm.load(model, device=device, dtype=dtype)
-        self.decoding = dict(gen_length=gen_length, block_length=block_length, steps=steps, seed=seed)
+        self.decoding = dict(**decoding_lengths(self.model, gen_length, block_length, steps), seed=seed)
         self.batch_size = int(batch_size)
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:

@@ -141,6 +141,23 @@ _MAKERS: dict[str, Callable[[random.Random], Example]] = {
 assert tuple(_MAKERS) == FAMILIES
 
 
+def solve(prompt: str) -> str:
+    """The final answer (the text after ``####``) to any prompt of the suite, e.g. ``solve("copy: ab") == "ab"``."""
+    family, _, arg = prompt.partition(": ")
+    if family == "copy":
+        return arg
+    if family == "reverse":
+        return arg[::-1]
+    if family == "sort":
+        return ",".join(sorted(arg.split(",")))
+    if family == "count digits":
+        return str(sum(c.isdigit() for c in arg))
+    if family == "add":
+        a, b = arg.split("+")
+        return str(int(a) + int(b))
+    raise ValueError(f"{prompt!r} is not a prompt of the synthetic suite ({', '.join(FAMILIES)})")
+
+
 def make_example(family: str, rng: random.Random) -> Example:
     """Draw one example of ``family`` from ``rng``."""
     _check_families([family])

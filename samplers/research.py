@@ -122,7 +122,7 @@ class AdaBlock(Sampler):
 
     threshold: float = param(0.9, "token commit threshold inside the block", ge=0.0)
     delimiter_threshold: float = param(0.3, "delimiter confidence that sets the block end (paper: 0.3 LLaDA, "
-                                       "0.5 Dream; inf disables)", ge=0.0)
+                                       "0.5 Dream; inf disables)", ge=0.0, allow_inf=True)
     delimiters: str = param("\n", "characters whose tokens end a semantic step (resolved with the tokenizer)")
     delimiter_ids: str | None = param(None, "comma-separated token ids; overrides delimiters")
     window_fraction: float = param(0.25, "delimiter search window as a fraction of gen_length", gt=0.0, le=1.0)

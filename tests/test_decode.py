@@ -70,6 +70,15 @@ def test_vanilla_is_deterministic_one_token_per_step(model):
     assert all(len(row) == 1 for step in trace for row in step["commits"])
 
 
+def test_callback_sees_each_step_and_its_commits(model):
+    seen = []
+    _, stats, trace = run(model, sampler="threshold", sampler_args={"threshold": 0.3}, trace=True,
+                          callback=seen.append)
+    assert [(s["block"], s["step"]) for s in seen] == [(s["block"], s["step"]) for s in trace]
+    assert [s["committed"] for s in seen] == [sum(map(len, s["commits"])) for s in trace]
+    assert sum(s["committed"] for s in seen) == stats.gen_tokens == 2 * 32
+
+
 def test_threshold_above_one_is_vanilla(model):
     want, want_stats, _ = run(model)
     got, stats, _ = run(model, sampler="threshold", sampler_args={"threshold": 1.01})

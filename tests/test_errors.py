@@ -41,7 +41,7 @@ def test_generate_rejects_bad_arguments(tiny, kwargs, match):
 
 
 def test_empty_prompt(tiny):
-    one_line_error(lambda: dllm.generate(tiny[0], tiny[1], [""], chat=False), "a prompt is empty")
+    one_line_error(lambda: dllm.generate(tiny[0], tiny[1], [""], chat=False), "prompt 0 is empty; give some text")
 
 
 def test_unknown_models(tmp_path):

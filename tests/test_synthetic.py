@@ -154,3 +154,11 @@ def test_make_example_rejects_unknown_family():
     with pytest.raises(ValueError, match="unknown family"):
         S.make_example("mul", random.Random(0))
     assert make_split("train", n_per_family=0) == []
+
+
+def test_solve_agrees_with_every_generated_answer(test_split):
+    from eval.synthetic import solve
+
+    assert all(solve(ex.prompt) == ex.final_answer for ex in test_split)
+    with pytest.raises(ValueError, match="not a prompt of the synthetic suite"):
+        solve("translate: hola")
