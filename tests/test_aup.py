@@ -50,3 +50,12 @@ def test_sweep_command_writes_table_aup_and_plot(tmp_path, capsys):
     assert "--sweep needs --output" in capsys.readouterr().err
     pytest.importorskip("matplotlib")
     assert (tmp_path / "pareto.png").stat().st_size > 0
+
+
+def test_sweep_without_matplotlib_says_how_to_get_the_plot(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # import matplotlib raises ImportError
+    args = ["eval", "--task", "synthetic", "--model", "random:llada-tiny", "--gen-length", "8", "--block-length",
+            "8", "--limit", "2", "--batch-size", "2", "--output", str(tmp_path), "--sweep", "sampler=low_confidence"]
+    assert main(args) == 0
+    assert "pareto.png not drawn: matplotlib is missing; pip install 'dllm-fast[plot]'" in capsys.readouterr().err
+    assert not (tmp_path / "pareto.png").exists()
