@@ -161,6 +161,7 @@ class Cache(Params):
 
     stores_kv: ClassVar[bool] = True
     verifies_drafts: ClassVar[bool] = False  # True when the store is its only per-step state (`fork`/`adopt`)
+    needs_next_commits: ClassVar[bool] = False  # `plan` needs the next step's commits before its forward
 
     def new_kv(self, model, batch: int, length: int) -> PassThrough:
         cfg = model.config
@@ -168,13 +169,14 @@ class Cache(Params):
             return PassThrough(cfg.n_layers)
         return KVStore(cfg.n_layers, batch, cfg.n_kv_heads, length, cfg.head_dim, model.dtype, model.device)
 
-    def plan(self, kv: PassThrough, canvas, sampler, step: int, start: int, end: int, lo: int, hi: int,
-             shift: int) -> slice | Tensor:
+    def plan(self, kv: PassThrough, canvas, next_commits: Tensor | None, step: int, start: int, end: int, lo: int,
+             hi: int, shift: int) -> slice | Tensor:
         """Rows to compute at `step` of the block `[start, end)` when canvas positions `[lo, hi)` need logits:
         a slice, or a `[B, A]` index (then the plan also sets `kv.valid`). Called once before each forward;
         it may advance the per-generation state kept in `kv`. A position whose scoring row is not computed
-        gets no prediction, so every position the sampler may commit must be covered. Default: the block
-        policy's `active_rows`, widened to the whole window."""
+        gets no prediction, so every position the sampler may commit must be covered. `next_commits` `[B, L]`:
+        the positions the next step commits, for caches with `needs_next_commits` (else None). Default: the
+        block policy's `active_rows`, widened to the whole window."""
         rows = self.active_rows(step, start, end, canvas.tokens.shape[1], shift)
         return slice(min(rows.start, lo - shift), max(rows.stop, hi - shift))
 

@@ -12,12 +12,11 @@ LLaDA only); the window anchors are processed in position order (the reference f
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-import samplers as samplers_mod
-from dllm.errors import DllmError
 from dllm.params import param
 
 from . import register
@@ -39,7 +38,7 @@ class DkvDecode(Cache):
     def new_kv(self, model, batch: int, length: int) -> DelayedKVStore:
         return DelayedKVStore(model, batch, length)
 
-    def plan(self, kv, canvas, sampler, step, start, end, lo, hi, shift):
+    def plan(self, kv, canvas, next_commits, step, start, end, lo, hi, shift):
         """Step 0 and every `refresh_every`-th step of a block recompute everything (LLaDA's reference also
         step 1, whose step 0 writes no cache; Dream's does not). Otherwise the rows not yet decoded when the
         previous step was planned: the masks and the tokens decoded at the previous step. For Dream, row j is
@@ -60,6 +59,8 @@ class DkvGreedy(Cache):
 
     Needs a sampler whose next commits are known before the forward (random)."""
 
+    needs_next_commits: ClassVar[bool] = True
+
     refresh_every: int = param(2, "recompute every row every k steps of a block (paper: 2; 1 = no cache)", ge=1)
     window: int = param(4, "masked neighbours recomputed around each anchor, alternately left and right "
                         "(paper: 4, 2 for MBPP)", ge=0)
@@ -69,20 +70,15 @@ class DkvGreedy(Cache):
     def new_kv(self, model, batch: int, length: int) -> DelayedKVStore:
         return DelayedKVStore(model, batch, length)
 
-    def plan(self, kv, canvas, sampler, step, start, end, lo, hi, shift):
-        if not sampler.commits_known_ahead:
-            known = ", ".join(cls.name for cls in samplers_mod.SAMPLERS if cls.commits_known_ahead)
-            raise DllmError(f"cache 'dkv_greedy' needs a sampler whose next commits are known before the forward "
-                            f"({known}); sampler {sampler.name!r} chooses them from the logits")
+    def plan(self, kv, canvas, next_commits, step, start, end, lo, hi, shift):
         masked, masked_before = kv.advance(canvas.tokens)
         kv.valid = None
         if step % self.refresh_every == 0:
             return slice(0, canvas.tokens.shape[1])
         committed = masked_before & ~masked
-        scheduled = sampler.next_commits()
-        anchors = scheduled if self.window_anchor == "next" else committed
-        near = neighbours(anchors, masked & ~scheduled, self.window)
-        rows, kv.valid = index_rows(committed | predicting_rows(scheduled | near, shift))
+        anchors = next_commits if self.window_anchor == "next" else committed
+        near = neighbours(anchors, masked & ~next_commits, self.window)
+        rows, kv.valid = index_rows(committed | predicting_rows(next_commits | near, shift))
         return rows
 
 

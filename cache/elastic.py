@@ -64,7 +64,7 @@ class ElasticCache(Cache):
     def new_kv(self, model, batch: int, length: int) -> "ElasticStore":
         return ElasticStore(model, batch, length, self)
 
-    def plan(self, kv, canvas, sampler, step, start, end, lo, hi, shift):
+    def plan(self, kv, canvas, next_commits, step, start, end, lo, hi, shift):
         """Every row at the first forward; then T, N and W (a full forward when forced from layer 0)."""
         masked, masked_before = kv.advance(canvas.tokens)
         scored = torch.zeros_like(masked)

@@ -10,7 +10,7 @@ import statistics
 
 import torch
 
-from .decode import decode
+from .engine import decode
 
 
 def random_prompts(model, batch_size: int, prompt_length: int, seed: int) -> list[list[int]]:

@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import cache as caches
-import samplers as samplers_mod
+from dllm import cache as caches
+from dllm import samplers as samplers_mod
 
-from .decode import decoding_lengths
+from .engine import decoding_lengths
 from .errors import DllmError
 
 DEFAULT_MODEL = "tiny-llada"
@@ -152,7 +152,7 @@ def _chat(args) -> int:
 
 def _eval(args) -> int:
     """One configuration, the task's reference solutions (--gold), or a sweep of configurations (--sweep)."""
-    from eval.harness import check_output_dir, count_records
+    from dllm.eval.harness import check_output_dir, count_records
 
     if args.output:
         check_output_dir(args.output)
@@ -169,9 +169,9 @@ def _eval(args) -> int:
 def _run_eval(args) -> int:
     import dllm
     from accelerate import PartialState
-    from eval.harness import evaluate
-    from eval.sweep import run_sweep, table
-    from eval.tasks import get_task
+    from dllm.eval.harness import evaluate
+    from dllm.eval.sweep import run_sweep, table
+    from dllm.eval.tasks import get_task
 
     get_task(args.task)
     state = PartialState(cpu=args.device == "cpu")  # data-parallel over CPU processes too (gloo)

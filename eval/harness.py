@@ -22,9 +22,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-import cache as caches
-import samplers as samplers_mod
-from dllm.decode import check_int, decoding_lengths, encode_prompts, generate
+from dllm.engine import check_int, decoding_lengths, encode_prompts, generate, split_params
 from dllm.errors import DllmError
 
 from .tasks import Item, get_task
@@ -54,9 +52,7 @@ def evaluate(model, tokenizer, task: str, sampler: str | Any = "low_confidence",
     config: dict[str, Any] = {"task": task, "num_fewshot": shots, "data": source, "limit": limit,
                               "batch_size": batch_size, "gold": gold}
     if not gold:
-        sampler = samplers_mod.SAMPLERS.create(sampler, **(sampler_args or {}))
-        cache = caches.CACHES.create(cache, **(cache_args or {}))
-        sampler.prepare(tokenizer)
+        sampler, cache = split_params(sampler, cache, {}, sampler_args, cache_args)
         chat = getattr(tokenizer, "chat_template", None) is not None if chat is None else chat
         gen_length, block_length, steps = decoding_lengths(model, gen_length, block_length, steps).values()
         _check_context(model, tokenizer, items, chat, gen_length, shots)

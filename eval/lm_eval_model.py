@@ -1,10 +1,10 @@
 """The lm-evaluation-harness model `dllm`: lm-eval's generate_until tasks with any model, sampler and cache.
 
-    python -m eval.lm_eval_model --model dllm --tasks gsm8k --batch_size 8 --model_args \\
+    python -m dllm.eval.lm_eval_model --model dllm --tasks gsm8k --batch_size 8 --model_args \\
         model=/path/to/LLaDA-8B-Instruct,sampler=threshold,threshold=0.9,cache=dual,gen_length=256,device=cuda
 
 The command line is lm-eval's own (`pip install 'dllm-fast[lm-eval]'`); lm-eval only finds models that are
-imported, so this module registers `dllm` first. From Python: `import eval.lm_eval_model`, then
+imported, so this module registers `dllm` first. From Python: `import dllm.eval.lm_eval_model`, then
 `lm_eval.simple_evaluate(model="dllm", model_args=...)`. Sampler and cache parameters go in `--model_args` by
 name. The answer is generated over `gen_length` tokens and cut at the request's `until` strings; loglikelihood
 requests are not supported.
@@ -32,7 +32,7 @@ class DllmLM(LM):
                  max_batch_size: int | None = None, **params) -> None:  # lm-eval passes max_batch_size
         super().__init__()
         import dllm
-        from dllm.decode import decoding_lengths, split_params
+        from dllm.engine import decoding_lengths, split_params
 
         if not str(batch_size).isdigit() or int(batch_size) < 1:
             raise DllmError(f"batch_size must be a positive integer, got {batch_size!r}")

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from dllm.decode import split_params
+from dllm.engine import split_params
 from dllm.errors import DllmError
 
 from .harness import evaluate
@@ -75,9 +75,8 @@ def run_sweep(model, tokenizer, task: str, points: list[str], output: str | Path
         point = parse_point(spec)
         point_sampler = point.pop("sampler", sampler)
         point_cache = point.pop("cache", cache)
-        params = {**({} if point_sampler != sampler else sampler_args or {}),
-                  **({} if point_cache != cache else cache_args or {}), **point}
-        s, c = split_params(point_sampler, point_cache, params)
+        s, c = split_params(point_sampler, point_cache, point, sampler_args if point_sampler == sampler else None,
+                            cache_args if point_cache == cache else None)
         summary = evaluate(model, tokenizer, task, s, c, output=output / _slug(spec), **eval_args)
         rows.append({"point": spec, "accuracy": 100 * summary["accuracy"], "tpf": summary["tpf"],
                      "nfe_mean": summary["nfe_mean"], "tokens_per_second": summary["tokens_per_second"],

@@ -7,14 +7,11 @@ run in its own folder under `--output`.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import dllm  # noqa: E402
-from eval.harness import evaluate  # noqa: E402
-from eval.synthetic import FAMILIES  # noqa: E402
+import dllm
+from dllm.eval.harness import evaluate
+from dllm.eval.synthetic import FAMILIES
 
 # paper defaults that depend on the model: AdaBlock's delimiter threshold, FreeDave's draft count
 ARCH_DEFAULTS = {"llada": {"delimiter_threshold": 0.3, "draft_steps": 4},

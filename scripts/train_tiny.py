@@ -30,15 +30,13 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dllm.decode import decode  # noqa: E402
-from dllm.loading import build_model, init_random, save_pretrained  # noqa: E402
-from dllm.models import ModelConfig  # noqa: E402
-from dllm.tokenizer import build_tokenizer  # noqa: E402
-from eval.synthetic import CHARSET, FAMILIES, make_split, score  # noqa: E402
-import cache as caches  # noqa: E402
-import samplers as samplers_mod  # noqa: E402
+from dllm import cache as caches
+from dllm import samplers as samplers_mod
+from dllm.engine import decode
+from dllm.eval.synthetic import CHARSET, FAMILIES, make_split, score
+from dllm.loading import build_model, init_random, save_pretrained
+from dllm.models import ModelConfig
+from dllm.tokenizer import build_tokenizer
 
 END_OF_TURN = {"llada": "<|eot_id|>", "dream": "<|im_end|>"}
 

@@ -5,7 +5,7 @@ import pytest
 
 from dllm.cli import main
 from dllm.errors import DllmError
-from eval.sweep import aup, pareto_front, parse_point
+from dllm.eval.sweep import aup, pareto_front, parse_point
 
 
 

@@ -182,7 +182,7 @@ def test_model_dir_without_tokenizer_says_so_in_one_line(tmp_path, capsys, monke
 
 
 def test_interrupted_eval_keeps_records_and_names_the_resume_command(tmp_path, capsys, monkeypatch):
-    import eval.harness as harness
+    import dllm.eval.harness as harness
 
     real, calls = harness._decode_batch, []
 

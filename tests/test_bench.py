@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-import cache as caches
-import samplers
+from dllm import cache as caches
+from dllm import samplers
 from conftest import random_model
 from dllm.bench import bench
 from dllm.cli import main

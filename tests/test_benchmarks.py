@@ -17,9 +17,9 @@ import pytest
 import dllm
 from conftest import ROOT, shared_path
 from dllm.errors import DllmError
-from eval import math_answers, sources
-from eval.harness import evaluate
-from eval.tasks import get_task
+from dllm.eval import math_answers, sources
+from dllm.eval.harness import evaluate
+from dllm.eval.tasks import get_task
 
 SLOW = pytest.mark.skipif(not os.environ.get("DLLM_SLOW_TESTS"), reason="slow: set DLLM_SLOW_TESTS=1")
 ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -175,7 +175,7 @@ def test_two_process_accelerate_run_equals_one_process(tmp_path):
 
 
 def test_lm_eval_adapter_generate_until():
-    from eval.lm_eval_model import DllmLM
+    from dllm.eval.lm_eval_model import DllmLM
 
     lm = DllmLM(model="random:llada-tiny", gen_length=16, block_length=8, batch_size=2, device="cpu")
     prompts = ["copy: abc", "sort: 3,1,2", "add: 12+34"]
@@ -200,7 +200,7 @@ def test_lm_eval_command_line(tmp_path):
         f"    test: {tmp_path / 'data.jsonl'}\ntest_split: test\noutput_type: generate_until\n"
         "doc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\ngeneration_kwargs:\n  until: ['####']\n"
         "metric_list:\n  - metric: exact_match\n")
-    run = subprocess.run([sys.executable, "-m", "eval.lm_eval_model", "--model", "dllm", "--device", "cpu",
+    run = subprocess.run([sys.executable, "-m", "dllm.eval.lm_eval_model", "--model", "dllm", "--device", "cpu",
                           "--model_args", "model=random:llada-tiny,sampler=threshold,threshold=0.9,cache=dual,"
                           "gen_length=16,block_length=8", "--tasks", "tinycopy", "--include_path", str(tmp_path)],
                          cwd=ROOT, env=ONE_THREAD, capture_output=True, text=True, timeout=300)

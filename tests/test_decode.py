@@ -3,10 +3,10 @@ baseline_and_fastdllm.md section 6)."""
 import pytest
 import torch
 
-import cache as caches
-import samplers
+from dllm import cache as caches
+from dllm import samplers
 from conftest import random_model
-from dllm.decode import Canvas, _finish_rows, decode
+from dllm.engine import Canvas, _finish_rows, decode
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
 MODELS = ["llada-tiny", "dream-tiny"]

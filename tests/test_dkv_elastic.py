@@ -6,12 +6,12 @@ import warnings
 import pytest
 import torch
 
-import cache as caches
-import samplers
-from cache.base import gather_rows, index_rows
-from cache.elastic import attention_drift
+from dllm import cache as caches
+from dllm import samplers
+from dllm.cache.base import gather_rows, index_rows
+from dllm.cache.elastic import attention_drift
 from conftest import random_model
-from dllm.decode import Canvas, decode
+from dllm.engine import Canvas, decode
 from dllm.errors import DllmError
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]  # left-padded to P = 7
@@ -204,7 +204,7 @@ def test_elastic_recomputes_from_the_layer_after_the_first_drift(monkeypatch):
     model = build_model(replace(PRESETS["llada-tiny"], n_layers=4), "cpu", torch.float32)
     init_random(model, 0, std=0.2)
     scripted = iter([1.0, 0.5] * 100)  # layers 0 and 1 of each step; layers 2-3 run full, untested
-    monkeypatch.setattr("cache.elastic.attention_drift",
+    monkeypatch.setattr("dllm.cache.elastic.attention_drift",
                         lambda *args: torch.full((2,), next(scripted)))
     _, _, trace = run(model, "low_confidence", "elastic", gamma=0.9)
     for step in trace[1:]:

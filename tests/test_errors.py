@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dllm
-import samplers
+from dllm import samplers
 from conftest import random_model
 from dllm.cli import main
 from dllm.errors import DllmError

@@ -3,8 +3,8 @@ import json
 
 import dllm
 from dllm.cli import main
-from eval.harness import evaluate
-from eval.synthetic import FAMILIES
+from dllm.eval.harness import evaluate
+from dllm.eval.synthetic import FAMILIES
 
 
 def test_eval_writes_records_and_resumes(tmp_path, capsys):

@@ -159,7 +159,7 @@ def test_save_and_load_roundtrip(preset, tmp_path):
 def test_official_llada_chat_template_renders_through_our_prompt_path():
     """The real LLaDA-8B-Instruct template (with its always-appended assistant header) gives the prompt our
     loop encodes; our tiny tokenizers render the same format."""
-    from dllm.decode import encode_prompts
+    from dllm.engine import encode_prompts
     from dllm.tokenizer import build_char_tokenizer
 
     official = json.loads(shared_path("data", "llada-8b-instruct", "tokenizer_config.json").read_text())

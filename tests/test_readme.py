@@ -10,7 +10,7 @@ import pytest
 
 from conftest import ROOT
 from dllm.cli import build_parser, main
-from eval.synthetic import extract_answer, solve
+from dllm.eval.synthetic import extract_answer, solve
 
 README = (ROOT / "README.md").read_text()
 BLOCKS = re.findall(r"```(\w*)\n(.*?)```", README, re.S)

@@ -6,9 +6,9 @@ formula); the sampler must pick exactly the same positions on thousands of rando
 import pytest
 import torch
 
-import samplers
-from samplers import StepContext
-from samplers.fastdllm import factor_count
+from dllm import samplers
+from dllm.samplers import StepContext
+from dllm.samplers.fastdllm import factor_count
 
 C, V = 8, 5  # candidate positions per row, vocabulary
 

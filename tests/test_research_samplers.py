@@ -3,10 +3,10 @@ hand-made logits, and every sampler x cache x model."""
 import pytest
 import torch
 
-import cache as caches
-import samplers
+from dllm import cache as caches
+from dllm import samplers
 from conftest import random_model
-from dllm.decode import decode
+from dllm.engine import decode
 from test_samplers import ctx_for, peaked
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]

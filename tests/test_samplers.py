@@ -4,9 +4,9 @@ import math
 import pytest
 import torch
 
-import samplers
-from samplers import StepContext
-from samplers.base import gumbel_argmax, top_k_per_row
+from dllm import samplers
+from dllm.samplers import StepContext
+from dllm.samplers.base import gumbel_argmax, top_k_per_row
 
 
 def ctx_for(probs, eligible=None, step=0, steps=1, seed=0):

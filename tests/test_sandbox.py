@@ -1,7 +1,7 @@
 """The sandbox that runs generated code: failures are contained and scored as failures."""
 import time
 
-from eval.sandbox import run_python
+from dllm.eval.sandbox import run_python
 
 
 def test_passing_and_failing_programs():

@@ -6,7 +6,7 @@ import torch
 
 import dllm
 from dllm.cli import main
-from eval.synthetic import make_split, score
+from dllm.eval.synthetic import make_split, score
 
 HELD_OUT = make_split("test", 10)  # the first ten held-out items of every family (both models learned them all)
 

@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-import cache as caches
-import samplers
+from dllm import cache as caches
+from dllm import samplers
 from conftest import random_model
-from dllm.decode import decode
+from dllm.engine import decode
 from dllm.errors import DllmError
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]

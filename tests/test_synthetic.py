@@ -3,8 +3,8 @@ import re
 
 import pytest
 
-from eval import synthetic as S
-from eval.synthetic import Example, extract_answer, make_split, score
+from dllm.eval import synthetic as S
+from dllm.eval.synthetic import Example, extract_answer, make_split, score
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +157,7 @@ def test_make_example_rejects_unknown_family():
 
 
 def test_solve_agrees_with_every_generated_answer(test_split):
-    from eval.synthetic import solve
+    from dllm.eval.synthetic import solve
 
     assert all(solve(ex.prompt) == ex.final_answer for ex in test_split)
     with pytest.raises(ValueError, match="not a prompt of the synthetic suite"):

@@ -3,7 +3,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from eval.synthetic import CHARSET, make_split
+from dllm.eval.synthetic import CHARSET, make_split
 from dllm.tokenizer import SPECIAL_TOKENS, STYLES, build_tokenizer, save_tokenizer, vocab_chars
 
 CONVERSATION = [

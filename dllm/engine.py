@@ -13,15 +13,14 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import Tensor
 
-import cache as caches  # the policy packages import dllm.params, so only module objects are bound here
-import samplers as samplers_mod
-
+from . import cache as caches
+from . import samplers as samplers_mod
 from .errors import DllmError
 from .models import DiffusionLM
 
 if TYPE_CHECKING:
-    from cache import Cache
-    from samplers import Sampler
+    from .cache import Cache
+    from .samplers import Sampler
 
 
 @dataclass
@@ -145,6 +144,10 @@ def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache
     cfg = model.config
     if cfg.pad_id == cfg.mask_id:
         raise DllmError("the model's pad id equals its mask id; fix pad_token_id in config.json")
+    if cache.needs_next_commits and not sampler.commits_known_ahead:
+        known = ", ".join(cls.name for cls in samplers_mod.SAMPLERS if cls.commits_known_ahead)
+        raise DllmError(f"cache {cache.name!r} needs a sampler whose next commits are known before the forward "
+                        f"({known}); sampler {sampler.name!r} chooses them from the logits")
     if sampler.drafts and not cache.verifies_drafts:
         raise DllmError(f"sampler {sampler.name!r} verifies drafts, which cache {cache.name!r} cannot do without "
                         f"changing its state; use cache none, prefix or dual")
@@ -163,7 +166,8 @@ def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache
         """Candidate window `[lo, hi)` of a step and the rows to compute for it."""
         lo, hi = sampler.logit_window(prompt_length, length, start, end, step)
         lo, hi = min(lo, start), max(hi, end)
-        return lo, hi, cache.plan(kv, canvas, sampler, step, start, end, lo, hi, shift)
+        next_commits = sampler.next_commits() if cache.needs_next_commits else None
+        return lo, hi, cache.plan(kv, canvas, next_commits, step, start, end, lo, hi, shift)
 
     def forward(tokens: Tensor, kv_view, lo: int, hi: int, rows: slice | Tensor) -> Tensor:
         """Logits of canvas positions `[lo, hi)` for every row of `tokens` (the batch, or drafts of it)."""
@@ -344,8 +348,8 @@ def _encode_text(tokenizer, text: str, row: int, chat: bool) -> list[int]:
 
 def split_params(sampler: str | Sampler, cache: str | Cache, params: dict[str, Any],
                  sampler_args: dict[str, Any] | None = None, cache_args: dict[str, Any] | None = None):
-    """Build the sampler and the cache. `params` are routed by name; a name that both take must go through
-    `sampler_args` or `cache_args` instead (never a silent choice); unknown names are an error."""
+    """Build the sampler and the cache. `params` are routed by name and override `sampler_args`/`cache_args`;
+    a name that both take must go through those instead (never a silent choice); unknown names are an error."""
     sampler_cls = type(sampler) if isinstance(sampler, samplers_mod.Sampler) else samplers_mod.SAMPLERS.get(sampler)
     cache_cls = type(cache) if isinstance(cache, caches.Cache) else caches.CACHES.get(cache)
     both = sorted(set(params) & set(sampler_cls.param_names()) & set(cache_cls.param_names()))
@@ -353,8 +357,8 @@ def split_params(sampler: str | Sampler, cache: str | Cache, params: dict[str, A
         raise DllmError(f"parameter {both[0]!r} is taken by both sampler {sampler_cls.name!r} and cache "
                         f"{cache_cls.name!r}; say which with sampler_args={{...}} or cache_args={{...}} "
                         f"(CLI: --sampler-arg or --cache-arg)")
-    s_args = {**{k: v for k, v in params.items() if k in sampler_cls.param_names()}, **(sampler_args or {})}
-    c_args = {**{k: v for k, v in params.items() if k in cache_cls.param_names()}, **(cache_args or {})}
+    s_args = {**(sampler_args or {}), **{k: v for k, v in params.items() if k in sampler_cls.param_names()}}
+    c_args = {**(cache_args or {}), **{k: v for k, v in params.items() if k in cache_cls.param_names()}}
     unknown = sorted(set(params) - set(sampler_cls.param_names()) - set(cache_cls.param_names()))
     if unknown:
         raise DllmError(f"unknown parameter {unknown[0]!r} for sampler {sampler_cls.name!r} and cache "

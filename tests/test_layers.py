@@ -1,0 +1,80 @@
+"""The package's layers import one way: core -> models -> policies (samplers, cache; never each other) ->
+engine -> eval -> cli. Each module is imported alone in a clean interpreter and every `dllm` module it pulls
+in must sit in its own layer or a lower one."""
+import json
+import pkgutil
+import subprocess
+import sys
+
+import dllm
+
+LAYERS = [  # (layer, module prefixes)
+    ("core", ("dllm.errors", "dllm.params")),
+    ("models", ("dllm.models", "dllm.loading", "dllm.tokenizer")),
+    ("samplers", ("dllm.samplers",)),
+    ("cache", ("dllm.cache",)),
+    ("engine", ("dllm.engine", "dllm.bench")),
+    ("eval", ("dllm.eval",)),
+    ("cli", ("dllm.cli",)),
+]
+RANK = {"core": 0, "models": 1, "samplers": 2, "cache": 2, "engine": 3, "eval": 4, "cli": 5}
+
+
+def layer_of(module: str) -> str | None:
+    matches = [(len(p), name) for name, prefixes in LAYERS for p in prefixes
+               if module == p or module.startswith(p + ".")]
+    return max(matches)[1] if matches else None
+
+
+def all_modules() -> list[str]:
+    found = ["dllm", "dllm.samplers", "dllm.cache", "dllm.eval", "dllm.models"]
+    for info in pkgutil.walk_packages(dllm.__path__, "dllm."):
+        found.append(info.name)
+    for sub in ("samplers", "cache", "eval", "models"):
+        package = __import__(f"dllm.{sub}", fromlist=["_"])
+        found += [info.name for info in pkgutil.walk_packages(package.__path__, f"dllm.{sub}.")]
+    return sorted(set(found))
+
+
+PROBE = """
+import importlib, json, sys
+out = {}
+for name in json.loads(sys.argv[1]):
+    for loaded in [m for m in sys.modules if m == "dllm" or m.startswith("dllm.")]:
+        del sys.modules[loaded]
+    importlib.import_module(name)
+    out[name] = sorted(m for m in sys.modules if m.startswith("dllm."))
+print(json.dumps(out))
+"""
+
+
+def test_every_module_imports_only_its_layer_and_below():
+    modules = [m for m in all_modules() if layer_of(m) is not None]
+    assert {layer_of(m) for m in modules} == set(RANK), modules  # every layer is found
+    run = subprocess.run([sys.executable, "-c", PROBE, json.dumps(modules)], capture_output=True, text=True,
+                         check=True)
+    imported = json.loads(run.stdout)
+    wrong = []
+    for module, pulled in imported.items():
+        mine = layer_of(module)
+        for other in pulled:
+            theirs = layer_of(other)
+            if theirs is None:
+                continue
+            if RANK[theirs] > RANK[mine] or (RANK[theirs] == RANK[mine] and theirs != mine):
+                wrong.append(f"{module} ({mine}) imports {other} ({theirs})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_importing_the_core_leaves_the_engine_unloaded():
+    run = subprocess.run([sys.executable, "-c", "import sys, dllm.params; print(sorted(sys.modules))"],
+                         capture_output=True, text=True, check=True)
+    assert "dllm.engine" not in run.stdout and "dllm.models" not in run.stdout
+
+
+def test_the_distribution_installs_one_top_level_package():
+    """The folders samplers/, cache/ and eval/ install inside dllm (setup.cfg package_dir), not as top-level
+    packages that clash with others."""
+    from importlib.metadata import distribution
+
+    assert distribution("dllm-fast").read_text("top_level.txt").split() == ["dllm"]
