@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -136,21 +136,30 @@ class KVStore(PassThrough):
 
 
 class DelayedKVStore(KVStore):
-    """A KVStore that remembers which positions were masked when the previous forward was planned, so that a
-    token committed since is recomputed once with its real token before the store serves it (the one-step
-    delay of dKV-Cache, and Elastic-Cache's newly decoded set)."""
+    """A KVStore for caches whose rows follow what was decoded (dKV-Cache's one-step delay: a token decoded
+    since the last forward is recomputed once with its real token before the store serves it; Elastic-Cache's
+    newly decoded set)."""
 
     def __init__(self, model, batch: int, length: int):
         cfg = model.config
         super().__init__(cfg.n_layers, batch, cfg.n_kv_heads, length, cfg.head_dim, model.dtype, model.device)
-        self.arch, self.mask_id = cfg.arch, cfg.mask_id
-        self.masked_before: Tensor | None = None  # None until the first forward
+        self.arch = cfg.arch
 
-    def advance(self, tokens: Tensor) -> tuple[Tensor, Tensor | None]:
-        """(masked now, masked at the previous forward); remembers now for the next one."""
-        masked = tokens == self.mask_id
-        before, self.masked_before = self.masked_before, masked
-        return masked, before
+
+@dataclass
+class PlanContext:
+    """What a cache sees before a forward; the loop says what changed, so no cache diffs the canvas."""
+
+    canvas: Any  # the generation's `Canvas`: tokens [B, L], positions [B, L], key_mask (read only)
+    masked: Tensor  # [B, L] bool: masked now
+    decoded: Tensor | None  # [B, L] bool: decoded since the previous forward was planned (None before the first)
+    next_commits: Tensor | None  # [B, L] bool: what the next step commits (caches with `needs_next_commits`)
+    step: int  # step inside the block, from 0
+    start: int  # block [start, end)
+    end: int
+    lo: int  # canvas positions [lo, hi) need logits
+    hi: int
+    shift: int  # 1 for AR-shifted models (Dream): position i is scored by row i - 1
 
 
 @dataclass
@@ -169,16 +178,13 @@ class Cache(Params):
             return PassThrough(cfg.n_layers)
         return KVStore(cfg.n_layers, batch, cfg.n_kv_heads, length, cfg.head_dim, model.dtype, model.device)
 
-    def plan(self, kv: PassThrough, canvas, next_commits: Tensor | None, step: int, start: int, end: int, lo: int,
-             hi: int, shift: int) -> slice | Tensor:
-        """Rows to compute at `step` of the block `[start, end)` when canvas positions `[lo, hi)` need logits:
-        a slice, or a `[B, A]` index (then the plan also sets `kv.valid`). Called once before each forward;
-        it may advance the per-generation state kept in `kv`. A position whose scoring row is not computed
-        gets no prediction, so every position the sampler may commit must be covered. `next_commits` `[B, L]`:
-        the positions the next step commits, for caches with `needs_next_commits` (else None). Default: the
+    def plan(self, kv: PassThrough, plan: PlanContext) -> slice | Tensor:
+        """Rows to compute at the forward described by `plan`: a slice, or a `[B, A]` index (then the plan also
+        sets `kv.valid`). Called once before each forward. A position whose scoring row is not computed gets
+        no prediction, so every position the sampler may commit (`[lo, hi)`) must be covered. Default: the
         block policy's `active_rows`, widened to the whole window."""
-        rows = self.active_rows(step, start, end, canvas.tokens.shape[1], shift)
-        return slice(min(rows.start, lo - shift), max(rows.stop, hi - shift))
+        rows = self.active_rows(plan.step, plan.start, plan.end, plan.masked.shape[1], plan.shift)
+        return slice(min(rows.start, plan.lo - plan.shift), max(rows.stop, plan.hi - plan.shift))
 
     def active_rows(self, step: int, start: int, end: int, length: int, shift: int) -> slice:
         """Rows to compute at `step` (0 = first step) of the block `[start, end)` of a canvas of `length`;

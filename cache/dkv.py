@@ -38,17 +38,16 @@ class DkvDecode(Cache):
     def new_kv(self, model, batch: int, length: int) -> DelayedKVStore:
         return DelayedKVStore(model, batch, length)
 
-    def plan(self, kv, canvas, next_commits, step, start, end, lo, hi, shift):
+    def plan(self, kv, plan):
         """Step 0 and every `refresh_every`-th step of a block recompute everything (LLaDA's reference also
         step 1, whose step 0 writes no cache; Dream's does not). Otherwise the rows not yet decoded when the
         previous step was planned: the masks and the tokens decoded at the previous step. For Dream, row j is
         kept while token j + 1 is masked, its prediction (the reference's `shift_type='un'`)."""
-        _, masked_before = kv.advance(canvas.tokens)
         period = self.refresh_every or DECODE_REFRESH[kv.arch]
         kv.valid = None
-        if step % period == 0 or (step == 1 and kv.arch == "llada"):
-            return slice(0, canvas.tokens.shape[1])
-        rows, kv.valid = index_rows(predicting_rows(masked_before, shift))
+        if plan.decoded is None or plan.step % period == 0 or (plan.step == 1 and kv.arch == "llada"):
+            return slice(0, plan.masked.shape[1])
+        rows, kv.valid = index_rows(predicting_rows(plan.masked | plan.decoded, plan.shift))
         return rows
 
 
@@ -70,15 +69,13 @@ class DkvGreedy(Cache):
     def new_kv(self, model, batch: int, length: int) -> DelayedKVStore:
         return DelayedKVStore(model, batch, length)
 
-    def plan(self, kv, canvas, next_commits, step, start, end, lo, hi, shift):
-        masked, masked_before = kv.advance(canvas.tokens)
+    def plan(self, kv, plan):
         kv.valid = None
-        if step % self.refresh_every == 0:
-            return slice(0, canvas.tokens.shape[1])
-        committed = masked_before & ~masked
-        anchors = next_commits if self.window_anchor == "next" else committed
-        near = neighbours(anchors, masked & ~next_commits, self.window)
-        rows, kv.valid = index_rows(committed | predicting_rows(next_commits | near, shift))
+        if plan.decoded is None or plan.step % self.refresh_every == 0:
+            return slice(0, plan.masked.shape[1])
+        anchors = plan.next_commits if self.window_anchor == "next" else plan.decoded
+        near = neighbours(anchors, plan.masked & ~plan.next_commits, self.window)
+        rows, kv.valid = index_rows(plan.decoded | predicting_rows(plan.next_commits | near, plan.shift))
         return rows
 
 

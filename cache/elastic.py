@@ -64,15 +64,15 @@ class ElasticCache(Cache):
     def new_kv(self, model, batch: int, length: int) -> "ElasticStore":
         return ElasticStore(model, batch, length, self)
 
-    def plan(self, kv, canvas, next_commits, step, start, end, lo, hi, shift):
+    def plan(self, kv, plan):
         """Every row at the first forward; then T, N and W (a full forward when forced from layer 0)."""
-        masked, masked_before = kv.advance(canvas.tokens)
+        masked = plan.masked
         scored = torch.zeros_like(masked)
-        scored[:, lo:hi] = True
+        scored[:, plan.lo:plan.hi] = True
         beta = self.window_length or WINDOW[kv.arch]
-        window = predicting_rows(masked & ((masked.cumsum(1) <= beta) | scored), shift)
-        active = None if masked_before is None else (masked_before & ~masked) | kv.tracked.any(0) | window
-        return kv.start(canvas, masked, window, active)
+        window = predicting_rows(masked & ((masked.cumsum(1) <= beta) | scored), plan.shift)
+        active = None if plan.decoded is None else plan.decoded | kv.tracked.any(0) | window
+        return kv.start(plan.canvas, masked, window, active)
 
 
 class ElasticStore(DelayedKVStore):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -131,6 +132,71 @@ def _finish_rows(canvas: Canvas, finished: Tensor, cfg) -> Tensor:
     return finished | done
 
 
+class Runner:
+    """The model over one canvas and its cache store: counted forwards of chosen rows, and one-forward
+    verification of drafts on a fork of the store (self-speculative decoding), adopted once one is chosen."""
+
+    def __init__(self, model: DiffusionLM, canvas: Canvas, cache: Cache, kv, stats: Stats, profile: bool):
+        self.model, self.canvas, self.cache, self.kv = model, canvas, cache, kv
+        self.stats, self.profile = stats, profile
+        self.verified: tuple | None = None  # (drafts, fork, logits) of the last `verify`
+
+    def forward(self, lo: int, hi: int, rows: slice | Tensor, tokens: Tensor | None = None, kv=None) -> Tensor:
+        """Logits of canvas positions `[lo, hi)` for every row of `tokens` (default: the canvas; or copies of
+        it, drafts), computing `rows` against the store `kv` (default: the generation's)."""
+        model, canvas, cfg = self.model, self.canvas, self.model.config
+        tokens = canvas.tokens if tokens is None else tokens
+        kv = self.kv if kv is None else kv
+        batch, length = canvas.tokens.shape
+        copies = tokens.shape[0] // batch
+        key_mask, positions = canvas.key_mask, canvas.positions
+        if copies > 1:
+            positions = positions.repeat_interleave(copies, 0)
+            key_mask = None if key_mask is None else key_mask.repeat_interleave(copies, 0)
+        if key_mask is not None and not self.cache.stores_kv:
+            key_mask = key_mask[..., rows]
+        kv.rows = rows
+        shift = cfg.logit_shift
+        slots = caches.row_slots(kv, lo - shift, hi - shift, length, model.device).expand(tokens.shape[0], -1)
+        computed = kv.rows_per_layer[0]
+        began = _clock(model.device) if self.profile else 0.0
+        logits = model.run(caches.gather_rows(tokens, rows), caches.gather_rows(positions, rows), key_mask, kv,
+                           slots.clamp(min=0))
+        if not isinstance(rows, slice):  # rows served from the store predict nothing (not committable this step)
+            logits[slots < 0] = 0.0
+        logits[..., cfg.mask_id] = float("-inf")  # a committed position must never stay masked
+        full = kv.rows_per_layer[0] - computed == tokens.shape[0] * length  # layer 0 computed every row
+        if self.profile:
+            kind = "verify" if copies > 1 else "full" if full else "cached"
+            self.stats.forward_seconds.setdefault(kind, []).append(_clock(model.device) - began)
+        self.stats.nfe += 1
+        self.stats.full_forwards += int(full)
+        return logits
+
+    def verify(self, drafts: Tensor, lo: int, hi: int, rows: slice | Tensor) -> Tensor:
+        """One forward over draft windows `[B, K, hi - lo]` on a fork of the store: the logits
+        `[B, K, hi - lo, V]` the next step would see on each draft. The generation's store is not changed."""
+        batch, copies = drafts.shape[:2]
+        tokens = self.canvas.tokens.repeat_interleave(copies, 0)
+        tokens[:, lo:hi] = drafts.flatten(0, 1)
+        fork = self.kv.fork(copies)
+        logits = self.forward(lo, hi, rows, tokens, fork).unflatten(0, (batch, copies))
+        self.verified = (drafts, fork, logits)
+        return logits
+
+    def adopt(self, choice: Tensor, window: Tensor) -> Tensor:
+        """Take draft `choice` `[B]` of the last `verify` (whose window must now equal `window`) into the store;
+        returns its logits, the next step's."""
+        rows = torch.arange(len(choice), device=choice.device)
+        if self.verified is None or not torch.equal(window, self.verified[0][rows, choice]):
+            raise DllmError("a sampler returned a verified draft that differs from its commits; commit exactly the "
+                            "chosen draft")
+        drafts, fork, logits = self.verified
+        self.kv.adopt(fork, choice)
+        self.verified = None
+        return logits[rows, choice]
+
+
 @torch.no_grad()
 def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache: Cache, gen_length: int,
            block_length: int, steps: int | None = None, seed: int = 0, stop_early: bool = True,
@@ -154,46 +220,29 @@ def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache
     steps_per_block = check_lengths(gen_length, block_length, steps)
     canvas = Canvas.build(model, prompts, gen_length)
     batch, length = canvas.tokens.shape
-    kv = cache.new_kv(model, batch, length)
+    stats, steps_trace = Stats(batch=batch), [] if trace else None
+    runner = Runner(model, canvas, cache, cache.new_kv(model, batch, length), stats, profile)
+    kv = runner.kv
+    state = SimpleNamespace()  # the sampler's per-run state
     generator = torch.Generator(device=model.device).manual_seed(seed)
     finished = torch.zeros(batch, dtype=torch.bool, device=model.device)
-    stats, steps_trace = Stats(batch=batch), [] if trace else None
     committed = torch.zeros((), dtype=torch.long, device=model.device)
-    shift, prompt_length = cfg.logit_shift, canvas.prompt_length
+    prompt_length = canvas.prompt_length
     total_steps = steps_per_block * (gen_length // block_length)
+    masked_at_plan = None  # the canvas's masks when the last forward was planned
 
     def plan(step: int, start: int, end: int) -> tuple[int, int, slice | Tensor]:
         """Candidate window `[lo, hi)` of a step and the rows to compute for it."""
+        nonlocal masked_at_plan
         lo, hi = sampler.logit_window(prompt_length, length, start, end, step)
         lo, hi = min(lo, start), max(hi, end)
-        next_commits = sampler.next_commits() if cache.needs_next_commits else None
-        return lo, hi, cache.plan(kv, canvas, next_commits, step, start, end, lo, hi, shift)
-
-    def forward(tokens: Tensor, kv_view, lo: int, hi: int, rows: slice | Tensor) -> Tensor:
-        """Logits of canvas positions `[lo, hi)` for every row of `tokens` (the batch, or drafts of it)."""
-        copies = tokens.shape[0] // batch
-        key_mask, positions = canvas.key_mask, canvas.positions
-        if copies > 1:
-            positions = positions.repeat_interleave(copies, 0)
-            key_mask = None if key_mask is None else key_mask.repeat_interleave(copies, 0)
-        if key_mask is not None and not cache.stores_kv:
-            key_mask = key_mask[..., rows]
-        kv_view.rows = rows
-        slots = caches.row_slots(kv_view, lo - shift, hi - shift, length, model.device).expand(tokens.shape[0], -1)
-        computed = kv_view.rows_per_layer[0]
-        began = _clock(model.device) if profile else 0.0
-        logits = model.run(caches.gather_rows(tokens, rows), caches.gather_rows(positions, rows), key_mask,
-                           kv_view, slots.clamp(min=0))
-        if not isinstance(rows, slice):  # rows served from the store predict nothing (not committable this step)
-            logits[slots < 0] = 0.0
-        logits[..., cfg.mask_id] = float("-inf")  # a committed position must never stay masked
-        full = kv_view.rows_per_layer[0] - computed == tokens.shape[0] * length  # layer 0 computed every row
-        if profile:
-            kind = "verify" if copies > 1 else "full" if full else "cached"
-            stats.forward_seconds.setdefault(kind, []).append(_clock(model.device) - began)
-        stats.nfe += 1
-        stats.full_forwards += int(full)
-        return logits
+        masked = canvas.tokens == cfg.mask_id
+        decoded = None if masked_at_plan is None else masked_at_plan & ~masked
+        masked_at_plan = masked
+        next_commits = sampler.next_commits(state) if cache.needs_next_commits else None
+        return lo, hi, cache.plan(kv, caches.PlanContext(
+            canvas=canvas, masked=masked, decoded=decoded, next_commits=next_commits, step=step, start=start,
+            end=end, lo=lo, hi=hi, shift=cfg.logit_shift))
 
     start_time = _clock(model.device)
     start, block = prompt_length, 0
@@ -203,33 +252,22 @@ def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache
         while ((canvas.tokens[:, start:end] == cfg.mask_id) & ~finished[:, None]).any():
             counted = list(kv.rows_per_layer)
             lo, hi, rows = plan(step, start, end)
-            if reused is not None and reused[0] == (lo, hi):
-                logits = reused[1]
-            else:
-                logits = forward(canvas.tokens, kv, lo, hi, rows)
+            logits = reused[1] if reused is not None and reused[0] == (lo, hi) else runner.forward(lo, hi, rows)
             masked = (canvas.tokens[:, lo:hi] == cfg.mask_id) & ~finished[:, None]
             positions = torch.arange(lo, hi, device=model.device)
-            drafted = {}
 
             def verify(drafts: Tensor, step=step, start=start, end=end, lo=lo, hi=hi) -> Tensor:
-                """One forward over draft windows `[B, K, hi - lo]`: the logits `[B, K, hi - lo, V]` the next
-                step would see on each draft. The cache state is forked, never changed."""
                 next_lo, next_hi, next_rows = plan(step + 1, start, end)
                 if (next_lo, next_hi) != (lo, hi) or (cache.stores_kv and next_rows.stop - next_rows.start == length):
                     raise DllmError(f"sampler {sampler.name!r} can only verify drafts inside a block between cache "
                                     f"refreshes; use refresh_every=0")
-                copies = drafts.shape[1]
-                tokens = canvas.tokens.repeat_interleave(copies, 0)
-                tokens[:, lo:hi] = drafts.flatten(0, 1)
-                fork = kv.fork(copies)
-                logits = forward(tokens, fork, lo, hi, next_rows).unflatten(0, (batch, copies))
-                drafted.update(drafts=drafts, fork=fork, logits=logits)
-                return logits
+                return runner.verify(drafts, lo, hi, next_rows)
 
-            ctx = samplers_mod.StepContext(logits, masked & (positions < end), masked, positions, canvas.tokens,
-                                           step, steps_per_block, block, generator, stats.nfe - 1, total_steps,
-                                           start, end, prompt_length, verify)
-            ctx.eligible &= positions >= start
+            ctx = samplers_mod.StepContext(
+                logits=logits, eligible=masked & (positions >= start) & (positions < end), masked=masked,
+                positions=positions, canvas=canvas.tokens, step=step, steps=steps_per_block, block=block,
+                generator=generator, nfe=stats.nfe - 1, total_steps=total_steps, block_start=start, block_end=end,
+                prompt_length=prompt_length, state=state, forward=verify if sampler.drafts else None)
             if step == 0:  # the block-start forward may move the block end (AdaBlock)
                 end = sampler.block_end(ctx)
                 if not start < end <= length:
@@ -242,14 +280,7 @@ def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache
                 raise DllmError(f"sampler {sampler.name!r} committed nothing for an unfinished row at block "
                                 f"{block} step {step}; a sampler must commit at least one position per row")
             canvas.tokens[:, lo:hi] = torch.where(commit, out.tokens, canvas.tokens[:, lo:hi])
-            reused = None
-            if out.verified is not None:
-                rows_b = torch.arange(batch, device=model.device)
-                if not drafted or not torch.equal(canvas.tokens[:, lo:hi], drafted["drafts"][rows_b, out.verified]):
-                    raise DllmError(f"sampler {sampler.name!r} returned a verified draft that differs from its "
-                                    f"commits; commit exactly the chosen draft")
-                kv.adopt(drafted["fork"], out.verified)
-                reused = ((lo, hi), drafted["logits"][rows_b, out.verified])
+            reused = None if out.verified is None else ((lo, hi), runner.adopt(out.verified, canvas.tokens[:, lo:hi]))
             committed += commit.sum()
             if trace:
                 rows_per_layer = [now - before for now, before in zip(kv.rows_per_layer, counted)]

@@ -8,6 +8,7 @@ propose MASK, and "committing" it leaves the position masked."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Callable, ClassVar
 
 import torch
@@ -35,6 +36,8 @@ class StepContext:
     block_start: int  # canvas position where the block starts
     block_end: int  # ... and ends (exclusive)
     prompt_length: int  # canvas position where the generation starts
+    state: SimpleNamespace  # this generation's sampler state (e.g. credits), owned by the loop: fresh per run, so
+    # one sampler object can decode many batches at once
     forward: Callable[[Tensor], Tensor] | None = None  # drafts [B, K, C] -> the next step's logits [B, K, C, V]
     # on each draft, in one counted forward (self-speculative verification; samplers with `drafts = True`)
 
@@ -68,9 +71,9 @@ class Sampler(Params):
         positions that may be committed; the others, served from the store, get zero logits)."""
         return start, end
 
-    def next_commits(self) -> Tensor | None:
+    def next_commits(self, state: SimpleNamespace) -> Tensor | None:
         """Hook of samplers with `commits_known_ahead`: the `[B, L]` canvas positions the next step will commit,
-        fixed by the last `step`, before that step's forward."""
+        fixed by the last `step` (kept in `state`), before that step's forward."""
         return None
 
     def block_end(self, ctx: StepContext) -> int:

@@ -2,7 +2,7 @@
 a fixed number of tokens per step from the linear schedule, chosen by confidence or at random."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -32,19 +32,19 @@ class RandomRemasking(Sampler):
     draws every step), so the next step's commits are known before its forward."""
 
     commits_known_ahead: ClassVar[bool] = True
-    _order: Tensor | None = field(default=None, init=False, repr=False)  # [B, C] scores of the block
-    _next: Tensor | None = field(default=None, init=False, repr=False)  # [B, L] next step's commits
 
     def step(self, ctx: StepContext) -> Commit:
+        """State: `order` [B, C], the block's random scores; `next` [B, L], the next step's commits."""
         tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generator)
         if ctx.step == 0:
-            self._order = torch.rand(ctx.eligible.shape, dtype=torch.float64, device=ctx.logits.device,
-                                     generator=ctx.generator)
-        mask = top_k_per_row(self._order, ctx.eligible, quota(ctx))
+            ctx.state.order = torch.rand(ctx.eligible.shape, dtype=torch.float64, device=ctx.logits.device,
+                                         generator=ctx.generator)
+        order = ctx.state.order
+        mask = top_k_per_row(order, ctx.eligible, quota(ctx))
         following = replace(ctx, eligible=ctx.eligible & ~mask, step=ctx.step + 1)
-        self._next = torch.zeros_like(ctx.canvas, dtype=torch.bool)
-        self._next[:, ctx.positions] = top_k_per_row(self._order, following.eligible, quota(following))
-        return Commit(mask, tokens, self._order)
+        ctx.state.next = torch.zeros_like(ctx.canvas, dtype=torch.bool)
+        ctx.state.next[:, ctx.positions] = top_k_per_row(order, following.eligible, quota(following))
+        return Commit(mask, tokens, order)
 
-    def next_commits(self) -> Tensor | None:
-        return self._next
+    def next_commits(self, state) -> Tensor | None:
+        return getattr(state, "next", None)

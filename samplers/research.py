@@ -27,7 +27,6 @@ class Credit(Sampler):
     beta: float = param(0.7, "credit decay per step", ge=0.0, lt=1.0)
     gamma: float = param(0.2, "concave exponent: the top-1 earns p ** gamma", gt=0.0)
     tuning_free: bool = param(False, "gamma = 1, alpha = beta = 1 - (masked fraction of the block)")
-    _credit: Tensor | None = field(default=None, init=False, repr=False)
 
     def step(self, ctx: StepContext) -> Commit:
         logits = ctx.logits.double()
@@ -37,13 +36,14 @@ class Credit(Sampler):
             masked_fraction = ctx.eligible.sum(1, keepdim=True).double() / ctx.eligible.shape[1]
             alpha = beta = (1 - masked_fraction)[..., None]
             gamma = 1.0
-        if ctx.step == 0 or self._credit is None or self._credit.shape != logits.shape:
-            self._credit = torch.zeros_like(logits)  # per block: reset
+        credit = getattr(ctx.state, "credit", None)  # [B, C, V], this run's
+        if ctx.step == 0 or credit is None or credit.shape != logits.shape:
+            credit = ctx.state.credit = torch.zeros_like(logits)  # per block: reset
         else:
-            self._credit *= beta
+            credit *= beta
         gain = torch.where(ctx.eligible, top_p ** gamma, 0.0)  # only masked positions of the block earn credit
-        self._credit.scatter_add_(-1, top_token[..., None], gain[..., None])
-        fused = logits + alpha * torch.log1p(self._credit)
+        credit.scatter_add_(-1, top_token[..., None], gain[..., None])
+        fused = logits + alpha * torch.log1p(credit)
         tokens = gumbel_argmax(fused, self.temperature, ctx.generator)
         confidence = token_probability(fused, tokens)
         return Commit(threshold_commit(confidence, ctx.eligible, self.threshold), tokens, confidence)

@@ -198,3 +198,21 @@ def test_attention_probabilities_of_chosen_rows(model):
     scores = scores.masked_fill(~canvas.key_mask, float("-inf")).softmax(-1)
     want = torch.stack([scores[b, :, probe[b]] for b in range(2)])
     assert (probs - want).abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("sampler,cache", [("credit", "none"), ("random", "dkv_greedy")])
+def test_one_sampler_object_decodes_batches_in_parallel_threads(model, sampler, cache):
+    """Per-run sampler state lives with the loop, not on the sampler: two threads sharing one stateful sampler
+    (CreditDecoding's credits, random's order) give what each gives alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    shared = samplers.SAMPLERS.create(sampler)
+    prompts = [PROMPTS, [[20, 21], [22, 23, 24, 25]]]
+
+    def one(p):
+        return decode(model, p, shared, caches.CACHES.create(cache), 32, 8, stop_early=False)[0].tokens
+
+    alone = [one(p) for p in prompts]
+    with ThreadPoolExecutor(2) as pool:
+        together = list(pool.map(one, prompts * 3))
+    assert all(torch.equal(t, alone[i % 2]) for i, t in enumerate(together))

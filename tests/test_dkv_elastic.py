@@ -152,10 +152,10 @@ class PlanRecorder:
         self.steps = []
         plan = self.cache.plan
 
-        def recording_plan(kv, canvas, sampler, step, start, end, lo, hi, shift):
-            tracked, before = kv.tracked.any(0).clone(), kv.masked_before
-            rows = plan(kv, canvas, sampler, step, start, end, lo, hi, shift)
-            self.steps.append((tracked, before, canvas.tokens.clone(), lo, hi, rows, kv.valid))
+        def recording_plan(kv, request):
+            tracked = kv.tracked.any(0).clone()
+            rows = plan(kv, request)
+            self.steps.append((tracked, request.canvas.tokens.clone(), request.lo, request.hi, rows, kv.valid))
             return rows
         self.cache.plan = recording_plan
 
@@ -170,8 +170,8 @@ def test_elastic_rows_are_tracked_new_and_window_below_the_boundary(model, gamma
                              stop_early=False, trace=True)
     assert stats.full_forwards == 1 and trace[0]["rows_per_layer"] == [2 * L] * cfg.n_layers
     refreshed = 0
-    for (tracked, before, tokens, lo, hi, rows, valid), step in zip(recorder.steps[1:], trace[1:]):
-        masked = tokens == cfg.mask_id
+    for previous, (tracked, tokens, lo, hi, rows, valid), step in zip(recorder.steps, recorder.steps[1:], trace[1:]):
+        before, masked = previous[1] == cfg.mask_id, tokens == cfg.mask_id  # masks at the previous plan, now
         window = masked & ((masked.cumsum(1) <= beta) | (torch.arange(L) >= lo) & (torch.arange(L) < hi))
         window_rows = window.roll(-cfg.logit_shift, 1)
         want = tracked | (before & ~masked) | window_rows

@@ -3,6 +3,8 @@
 Each rule below is a deliberately naive per-row loop (the reference function step by step, or the spec's
 formula); the sampler must pick exactly the same positions on thousands of random steps, edge cases included
 (0-3 masks left, confidences on or one ulp under a bar, tied confidences, confidences that round to 1.0)."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -62,7 +64,7 @@ def random_step(rows, factor, seed):
 def mismatches(rule, factor, compat, rows=4000, seed=0):
     logits, eligible = random_step(rows, factor, seed)
     ctx = StepContext(logits, eligible, eligible.clone(), torch.arange(C), torch.zeros(rows, C, dtype=torch.long),
-                      0, 1, 0, torch.Generator().manual_seed(0), 0, 1, 0, C, 0)
+                      0, 1, 0, torch.Generator().manual_seed(0), 0, 1, 0, C, 0, SimpleNamespace())
     ours = samplers.SAMPLERS.create("factor", factor=factor, compat=compat).step(ctx).mask
     conf = torch.softmax(logits, -1).amax(-1).tolist()  # = probability of the greedy token
     return sum({i for i in range(C) if ours[b, i]} != rule(conf[b], eligible[b].tolist(), factor)

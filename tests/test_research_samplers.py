@@ -1,5 +1,7 @@
 """Prophet, CreditDecoding, LocalLeap, AdaBlock: their reductions to the base decoders, their rules on
 hand-made logits, and every sampler x cache x model."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -52,16 +54,16 @@ def test_credit_without_fusion_is_threshold(model, cache):
 
 
 def test_credit_accumulates_on_a_stable_top_token():
-    credit = samplers.SAMPLERS.create("credit", threshold=0.75)
+    credit, state = samplers.SAMPLERS.create("credit", threshold=0.75), SimpleNamespace()
     probs = peaked([[0.7, 0.6]])
-    first = credit.step(ctx_for(probs, step=0, steps=8))
+    first = credit.step(ctx_for(probs, step=0, steps=8, state=state))
     assert first.mask.tolist() == [[True, False]]  # 0.7 < 0.75 but it is the best one
     eligible = torch.tensor([[False, True]])
-    second = credit.step(ctx_for(probs, eligible, step=1, steps=8))
+    second = credit.step(ctx_for(probs, eligible, step=1, steps=8, state=state))
     assert second.confidence[0, 1] > 0.6 and second.tokens[0, 1] == 0
-    c = credit._credit[0, 1, 0]
+    c = state.credit[0, 1, 0]
     assert abs(c - (0.7 * 0.6 ** 0.2 + 0.6 ** 0.2)) < 1e-9  # decayed first step + this step
-    assert credit._credit[0, 0].sum() == 0.7 * 0.7 ** 0.2  # committed positions earn no more credit
+    assert state.credit[0, 0].sum() == 0.7 * 0.7 ** 0.2  # committed positions earn no more credit
 
 
 @pytest.mark.parametrize("args", [dict(relaxed_threshold=0.3), dict(radius=0, relaxed_threshold=0.0)])

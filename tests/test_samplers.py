@@ -1,5 +1,6 @@
 """Sampler rules on hand-made logits (spec baseline_and_fastdllm.md section 6, invariants 1-8)."""
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,13 +10,14 @@ from dllm.samplers import StepContext
 from dllm.samplers.base import gumbel_argmax, top_k_per_row
 
 
-def ctx_for(probs, eligible=None, step=0, steps=1, seed=0):
+def ctx_for(probs, eligible=None, step=0, steps=1, seed=0, state=None):
     logits = torch.tensor(probs, dtype=torch.float64).log()
     if eligible is None:
         eligible = torch.ones(logits.shape[:2], dtype=torch.bool)
     C = logits.shape[1]
     return StepContext(logits, eligible, eligible.clone(), torch.arange(C), torch.zeros(1, C, dtype=torch.long), step,
-                       steps, 0, torch.Generator().manual_seed(seed), 0, steps, 0, C, 0)
+                       steps, 0, torch.Generator().manual_seed(seed), 0, steps, 0, C, 0,
+                       SimpleNamespace() if state is None else state)
 
 
 def peaked(confidences, vocab=4):
