@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 
 from .errors import DllmError
 from .models import ARCHITECTURES, ARCHITECTURES_BY_NAME, PRESETS, DiffusionLM, ModelConfig
+from .models.transformer import rope_frequencies, shard_rows
 
 SHIPPED_DIR = Path(__file__).parent / "checkpoints"
 
@@ -91,15 +92,17 @@ def _load_random(preset: str, device, dtype: torch.dtype, seed: int):
 
 
 def build_model(cfg: ModelConfig, device, dtype: torch.dtype) -> DiffusionLM:
-    """Allocate a model directly on `device` in `dtype` (no full fp32 copy of a large model)."""
+    """A model on `device` in `dtype` with uninitialised weights: built on the meta device and given memory
+    once (no random init of weights that a checkpoint or `init_random` overwrites)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device("meta"):
             model = DiffusionLM(cfg)
     finally:
         torch.set_default_dtype(previous)
-    model.inv_freq = model.inv_freq.float()
+    model.to_empty(device=device)
+    model.inv_freq = rope_frequencies(cfg, model.device)
     return model
 
 
@@ -232,12 +235,22 @@ def _shard_files(path: Path) -> dict[str, Path]:
     raise DllmError(f"{path} has no model.safetensors or model.safetensors.index.json; download the weights")
 
 
+def _target(model: DiffusionLM, params: dict, ours: str) -> torch.Tensor:
+    """Our tensor for a name-table entry: a parameter, or the rows of a fused one (`name:shard`)."""
+    name, _, shard = ours.partition(":")
+    return params[name][shard_rows(model.config, shard)] if shard else params[name]
+
+
 @torch.no_grad()
 def load_weights(model: DiffusionLM, path: Path, table: dict[str, str]) -> None:
-    """Stream every tensor from the safetensors files into `model`, strictly (no missing or extra names)."""
+    """Stream every tensor from the safetensors files into `model`, strictly: no missing or extra names, and
+    every parameter of ours written (the model's memory is uninitialised until then)."""
     names = weight_names(table, model.config.n_layers)
     params = dict(model.named_parameters())
-    names = {ckpt: ours for ckpt, ours in names.items() if ours in params}  # e.g. bias rows of a bias-free model
+    names = {ckpt: ours for ckpt, ours in names.items() if ours.partition(":")[0] in params}  # e.g. no qkv bias
+    unfilled = set(params) - {ours.partition(":")[0] for ours in names.values()}
+    if unfilled:
+        raise DllmError(f"the {model.config.arch} name table fills no {sorted(unfilled)[0]}; this is a bug in dllm")
     files = _shard_files(path)
     missing = sorted(set(names) - set(files))
     unexpected = sorted(set(files) - set(names))
@@ -253,7 +266,7 @@ def load_weights(model: DiffusionLM, path: Path, table: dict[str, str]) -> None:
             with safe_open(str(f), framework="pt", device=str(model.device)) as handle:
                 for name in tensor_names:
                     t = handle.get_tensor(name)
-                    p = params[names[name]]
+                    p = _target(model, params, names[name])
                     if t.shape != p.shape:
                         raise DllmError(f"{f.name}: {name} has shape {tuple(t.shape)}, config.json implies "
                                         f"{tuple(p.shape)}; the config and weights do not belong together")
@@ -265,15 +278,21 @@ def load_weights(model: DiffusionLM, path: Path, table: dict[str, str]) -> None:
                             f"re-download the checkpoint") from None
 
 
+def checkpoint_state(model: DiffusionLM) -> dict[str, torch.Tensor]:
+    """The model's tensors under the official checkpoint names of its architecture (fused ones split)."""
+    arch = ARCHITECTURES_BY_NAME[model.config.arch]
+    params = dict(model.named_parameters())
+    return {ckpt: _target(model, params, ours).detach().contiguous().cpu()
+            for ckpt, ours in weight_names(arch.WEIGHT_NAMES, model.config.n_layers).items()
+            if ours.partition(":")[0] in params}
+
+
 def save_pretrained(model: DiffusionLM, tokenizer, path: str | Path) -> None:
     """Write `model` as a Hugging Face directory with the official names of its architecture."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     arch = ARCHITECTURES_BY_NAME[model.config.arch]
-    params = dict(model.named_parameters())
-    ours_to_ckpt = {ours: ckpt for ckpt, ours in weight_names(arch.WEIGHT_NAMES, model.config.n_layers).items()}
-    save_file({ours_to_ckpt[n]: p.detach().contiguous().cpu() for n, p in params.items()},
-              str(path / "model.safetensors"), metadata={"format": "pt"})
+    save_file(checkpoint_state(model), str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(arch.hf_config(model.config), indent=2) + "\n")
     if model.generation_defaults:
         ours_to_hf = {ours: key for key, ours in GENERATION_KEYS.items()}

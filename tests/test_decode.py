@@ -191,8 +191,9 @@ def test_attention_probabilities_of_chosen_rows(model):
     h = block.attn_norm(model.embed(canvas.tokens))
     cos, sin = model.rope_tables(canvas.positions)
     from dllm.models.transformer import rope
-    q = rope(block.q_proj(h).view(2, L, cfg.n_heads, -1).transpose(1, 2), cos, sin)
-    k = rope(block.k_proj(h).view(2, L, cfg.n_kv_heads, -1).transpose(1, 2), cos, sin)
+    q, k, _ = block.qkv_proj(h).split(block.qkv_sizes, -1)
+    q = rope(q.view(2, L, cfg.n_heads, -1).transpose(1, 2), cos, sin)
+    k = rope(k.view(2, L, cfg.n_kv_heads, -1).transpose(1, 2), cos, sin)
     k = k.repeat_interleave(cfg.n_heads // cfg.n_kv_heads, 1)
     scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
     scores = scores.masked_fill(~canvas.key_mask, float("-inf")).softmax(-1)

@@ -6,7 +6,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import dllm
-from dllm.loading import load_weights, save_pretrained, weight_names
+from dllm.loading import checkpoint_state, load_weights, save_pretrained, weight_names
 from dllm.models import DiffusionLM, llada, dream
 from conftest import shared_path
 
@@ -129,8 +129,7 @@ def test_official_llada_names_load(tmp_path):
     assert set(names) == official  # our table covers exactly the official 8B names
     model = DiffusionLM(cfg)
     _randomize(model)
-    ours_to_ckpt = {v: k for k, v in weight_names(llada.WEIGHT_NAMES, 2).items()}
-    _write_checkpoint(tmp_path, hf, {ours_to_ckpt[k]: v for k, v in model.state_dict().items() if k in ours_to_ckpt})
+    _write_checkpoint(tmp_path, hf, checkpoint_state(model))
     loaded = DiffusionLM(cfg)
     load_weights(loaded, tmp_path, llada.WEIGHT_NAMES)
     ids = torch.randint(0, 1000, (1, 6))

@@ -10,6 +10,7 @@ import torch
 
 from dllm import samplers
 from dllm.samplers import StepContext
+from dllm.samplers.base import token_probability
 from dllm.samplers.fastdllm import factor_count
 
 C, V = 8, 5  # candidate positions per row, vocabulary
@@ -66,7 +67,7 @@ def mismatches(rule, factor, compat, rows=4000, seed=0):
     ctx = StepContext(logits, eligible, eligible.clone(), torch.arange(C), torch.zeros(rows, C, dtype=torch.long),
                       0, 1, 0, torch.Generator().manual_seed(0), 0, 1, 0, C, 0, SimpleNamespace())
     ours = samplers.SAMPLERS.create("factor", factor=factor, compat=compat).step(ctx).mask
-    conf = torch.softmax(logits, -1).amax(-1).tolist()  # = probability of the greedy token
+    conf = token_probability(logits, logits.argmax(-1)).double().tolist()  # the sampler's own confidences
     return sum({i for i in range(C) if ours[b, i]} != rule(conf[b], eligible[b].tolist(), factor)
                for b in range(rows))
 

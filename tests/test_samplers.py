@@ -117,3 +117,16 @@ def test_origin_always_commits_and_finishes_on_the_last_step():
     probs = peaked([[0.5] * 6])
     assert sampler.step(ctx_for(probs, step=0, steps=1000)).mask.sum() >= 1
     assert sampler.step(ctx_for(probs, step=3, steps=4)).mask.all()
+
+
+def test_token_probability_in_fp32_equals_the_float64_softmax():
+    """exp(logit - logsumexp) in fp32 replaces the references' float64 softmax over the whole vocabulary."""
+    from dllm.samplers.base import token_probability
+    g = torch.Generator().manual_seed(0)
+    logits = 4 * torch.randn(8, 32, 50_000, generator=g)
+    logits[..., 7] = float("-inf")  # the masked MASK column
+    tokens = torch.randint(0, 50_000, (8, 32), generator=g).masked_fill(torch.rand(8, 32, generator=g) < 0.5, 0)
+    tokens[:, :4] = logits[:, :4].argmax(-1)
+    want = torch.softmax(logits.double(), -1).gather(-1, tokens[..., None])[..., 0]
+    got = token_probability(logits, tokens)
+    assert got.dtype == torch.float32 and ((got.double() - want).abs() <= 5e-6 * want).all()  # relative

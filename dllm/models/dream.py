@@ -13,11 +13,11 @@ WEIGHT_NAMES = {
     "model.norm.weight": "norm.weight",
     "lm_head.weight": "lm_head.weight",
     _LAYER + "input_layernorm.weight": "layers.{i}.attn_norm.weight",
-    **{_LAYER + f"self_attn.{p}_proj.{t}": f"layers.{{i}}.{p}_proj.{t}" for p in "qkv" for t in ("weight", "bias")},
+    **{_LAYER + f"self_attn.{p}_proj.{t}": f"layers.{{i}}.qkv_proj.{t}:{p}" for p in "qkv" for t in ("weight", "bias")},
     _LAYER + "self_attn.o_proj.weight": "layers.{i}.o_proj.weight",
     _LAYER + "post_attention_layernorm.weight": "layers.{i}.mlp_norm.weight",
-    _LAYER + "mlp.gate_proj.weight": "layers.{i}.gate_proj.weight",
-    _LAYER + "mlp.up_proj.weight": "layers.{i}.up_proj.weight",
+    _LAYER + "mlp.gate_proj.weight": "layers.{i}.gate_up_proj.weight:gate",  # :shard = rows of a fused one
+    _LAYER + "mlp.up_proj.weight": "layers.{i}.gate_up_proj.weight:up",
     _LAYER + "mlp.down_proj.weight": "layers.{i}.down_proj.weight",
 }
 

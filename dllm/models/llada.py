@@ -12,13 +12,13 @@ WEIGHT_NAMES = {
     "model.transformer.ln_f.weight": "norm.weight",
     "model.transformer.ff_out.weight": "lm_head.weight",
     "model.transformer.blocks.{i}.attn_norm.weight": "layers.{i}.attn_norm.weight",
-    "model.transformer.blocks.{i}.q_proj.weight": "layers.{i}.q_proj.weight",
-    "model.transformer.blocks.{i}.k_proj.weight": "layers.{i}.k_proj.weight",
-    "model.transformer.blocks.{i}.v_proj.weight": "layers.{i}.v_proj.weight",
+    "model.transformer.blocks.{i}.q_proj.weight": "layers.{i}.qkv_proj.weight:q",  # :shard = rows of a fused one
+    "model.transformer.blocks.{i}.k_proj.weight": "layers.{i}.qkv_proj.weight:k",
+    "model.transformer.blocks.{i}.v_proj.weight": "layers.{i}.qkv_proj.weight:v",
     "model.transformer.blocks.{i}.attn_out.weight": "layers.{i}.o_proj.weight",
     "model.transformer.blocks.{i}.ff_norm.weight": "layers.{i}.mlp_norm.weight",
-    "model.transformer.blocks.{i}.ff_proj.weight": "layers.{i}.gate_proj.weight",  # the silu branch
-    "model.transformer.blocks.{i}.up_proj.weight": "layers.{i}.up_proj.weight",
+    "model.transformer.blocks.{i}.ff_proj.weight": "layers.{i}.gate_up_proj.weight:gate",  # the silu branch
+    "model.transformer.blocks.{i}.up_proj.weight": "layers.{i}.gate_up_proj.weight:up",
     "model.transformer.blocks.{i}.ff_out.weight": "layers.{i}.down_proj.weight",  # not the LM head
 }
 

@@ -87,6 +87,20 @@ class RMSNorm(nn.Module):
         return xf.to(x.dtype) * self.weight
 
 
+def rope_frequencies(cfg: ModelConfig, device=None) -> Tensor:
+    """RoPE inverse frequencies (fp32), computed in fp64."""
+    exponent = torch.arange(0, cfg.head_dim, 2, dtype=torch.float64, device=device) / cfg.head_dim
+    return (cfg.rope_theta ** -exponent).float()
+
+
+def shard_rows(cfg: ModelConfig, shard: str) -> slice:
+    """The rows (output features) of a fused projection that hold one checkpoint tensor: `q`, `k`, `v` of
+    `qkv_proj`, `gate`, `up` of `gate_up_proj` (name tables write them `layers.{i}.qkv_proj.weight:q`)."""
+    d, kv, f = cfg.hidden_size, cfg.n_kv_heads * cfg.head_dim, cfg.intermediate_size
+    start, size = {"q": (0, d), "k": (d, kv), "v": (d + kv, kv), "gate": (0, f), "up": (f, f)}[shard]
+    return slice(start, start + size)
+
+
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate-half RoPE in fp32 (LLaDA's `rope_full_precision`); x `[B, H, A, D]`, cos/sin `[B, 1, A, D]`."""
     xf = x.float()
@@ -111,21 +125,20 @@ class Block(nn.Module):
         d, kv = cfg.hidden_size, cfg.n_kv_heads * cfg.head_dim
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
         self.attn_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.q_proj = nn.Linear(d, d, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(d, kv, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(d, kv, bias=cfg.qkv_bias)
+        self.qkv_sizes = (d, kv, kv)
+        self.qkv_proj = nn.Linear(d, d + 2 * kv, bias=cfg.qkv_bias)  # q, k, v in one matmul
         self.o_proj = nn.Linear(d, d, bias=False)
         self.mlp_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.gate_proj = nn.Linear(d, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(d, cfg.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(d, 2 * cfg.intermediate_size, bias=False)  # gate, up in one matmul
         self.down_proj = nn.Linear(cfg.intermediate_size, d, bias=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, key_mask: Tensor | None,
                 kv: KVAccess | None, layer: int) -> Tensor:
         h = self.attn_norm(x)
-        q = rearrange(self.q_proj(h), "b a (h d) -> b h a d", h=self.n_heads)
-        k = rearrange(self.k_proj(h), "b a (h d) -> b h a d", h=self.n_kv_heads)
-        v = rearrange(self.v_proj(h), "b a (h d) -> b h a d", h=self.n_kv_heads)
+        q, k, v = self.qkv_proj(h).split(self.qkv_sizes, dim=-1)
+        q = rearrange(q, "b a (h d) -> b h a d", h=self.n_heads)
+        k = rearrange(k, "b a (h d) -> b h a d", h=self.n_kv_heads)
+        v = rearrange(v, "b a (h d) -> b h a d", h=self.n_kv_heads)
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         if kv is not None:
             k, v = kv.update(layer, q, k, v)
@@ -136,7 +149,8 @@ class Block(nn.Module):
                                            enable_gqa=self.n_heads != self.n_kv_heads)
         x = x + self.o_proj(rearrange(o, "b h a d -> b a (h d)"))
         h = self.mlp_norm(x)
-        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
 
 
     def attention_probs(self, q: Tensor, k: Tensor, key_mask: Tensor | None, probe: Tensor) -> Tensor:
@@ -157,8 +171,7 @@ class DiffusionLM(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        inv_freq = cfg.rope_theta ** (-torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
 
     @property
     def device(self) -> torch.device:
