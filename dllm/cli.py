@@ -127,7 +127,8 @@ def _generate(args) -> int:
 
 
 def _chat(args) -> int:
-    """A multi-turn chat on stdin/stdout; each turn decodes the whole conversation so far."""
+    """A chat on stdin/stdout; each turn decodes the whole conversation so far, unless the model was trained on
+    single turns (`multi_turn: false` in its generation_config.json) or --no-history is given."""
     import dllm
 
     sampler, cache = _policies(args)
@@ -135,14 +136,17 @@ def _chat(args) -> int:
     if getattr(tok, "chat_template", None) is None:
         raise DllmError(f"{args.model} has no chat template; use `dllm generate --no-chat`")
     lengths = decoding_lengths(model, args.gen_length, args.block_length, args.steps)
-    messages: list[dict[str, str]] = []
+    history = model.generation_defaults.get("multi_turn", True) if args.history is None else args.history
     if sys.stdin.isatty():
-        print("chat with", args.model, "(empty line to quit)", file=sys.stderr)
+        print(f"chat with {args.model} (empty line to quit)" + ("" if history else
+              "; it answers single turns, so each line starts a new conversation (--history keeps them)"),
+              file=sys.stderr)
+    messages: list[dict[str, str]] = []
     for line in _stdin_lines():
         line = line.strip()
         if not line:
             break
-        messages.append({"role": "user", "content": line})
+        messages = [*messages, {"role": "user", "content": line}] if history else [{"role": "user", "content": line}]
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         answer = dllm.generate(model, tok, [text], sampler, cache, **lengths, seed=args.seed, chat=False).texts[0]
         messages.append({"role": "assistant", "content": answer})
@@ -271,8 +275,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print outputs and statistics as JSON")
     g.add_argument("--trace", metavar="FILE", help="write a JSON line per step (commits, confidences, gaps)")
     g.set_defaults(run=_generate)
-    c = sub.add_parser("chat", help="multi-turn chat on stdin/stdout")
+    c = sub.add_parser("chat", help="chat on stdin/stdout, a line per turn")
     _add_decoding_flags(c)
+    c.add_argument("--history", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode each turn with the conversation so far (default: unless the model's "
+                        "generation_config.json says multi_turn: false, as the shipped tiny models do)")
     c.set_defaults(run=_chat)
     e = sub.add_parser("eval", help="score a sampler/cache on a task (JSONL per example + summary.json)")
     e.add_argument("--task", default="synthetic")

@@ -153,8 +153,10 @@ def load_dir(path: Path, device="cpu", dtype: torch.dtype | None = None):
 GENERATION_KEYS = {"max_new_tokens": "gen_length", "block_length": "block_length", "steps": "steps"}
 
 
-def read_generation_config(path: Path) -> dict[str, int]:
-    """The decoding defaults a checkpoint directory carries in `generation_config.json` (they win over ours)."""
+def read_generation_config(path: Path) -> dict[str, int | bool]:
+    """The decoding defaults a checkpoint directory carries in `generation_config.json` (they win over ours),
+    and `multi_turn` (ours; false for a model trained on single turns: `dllm chat` then starts every turn
+    afresh)."""
     file = path / "generation_config.json"
     if not file.exists():
         return {}
@@ -166,6 +168,10 @@ def read_generation_config(path: Path) -> dict[str, int]:
     for name, value in out.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise DllmError(f"{file}: {name} must be a positive integer, got {value!r}; fix or delete it")
+    if "multi_turn" in hf:
+        if not isinstance(hf["multi_turn"], bool):
+            raise DllmError(f"{file}: multi_turn must be true or false, got {hf['multi_turn']!r}; fix or delete it")
+        out["multi_turn"] = hf["multi_turn"]
     return out
 
 
@@ -296,7 +302,7 @@ def save_pretrained(model: DiffusionLM, tokenizer, path: str | Path) -> None:
     (path / "config.json").write_text(json.dumps(arch.hf_config(model.config), indent=2) + "\n")
     if model.generation_defaults:
         ours_to_hf = {ours: key for key, ours in GENERATION_KEYS.items()}
-        config = {ours_to_hf[name]: value for name, value in model.generation_defaults.items()}
+        config = {ours_to_hf.get(name, name): value for name, value in model.generation_defaults.items()}
         (path / "generation_config.json").write_text(json.dumps(config, indent=2) + "\n")
     if tokenizer is not None:
         from .tokenizer import save_tokenizer

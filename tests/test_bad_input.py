@@ -219,3 +219,20 @@ def test_generation_config_of_the_model_directory_wins(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": "many"}))
     with pytest.raises(DllmError, match="gen_length must be a positive integer, got 'many'; fix or delete it"):
         dllm.load(str(tmp_path))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"multi_turn": "no"}))
+    with pytest.raises(DllmError, match="multi_turn must be true or false, got 'no'; fix or delete it"):
+        dllm.load(str(tmp_path))
+
+
+def test_chat_keeps_the_conversation_unless_the_model_answers_single_turns(tmp_path, capsys, monkeypatch):
+    """tiny-llada declares multi_turn: false, so each turn decodes alone; --history sends the conversation."""
+    import dllm.engine as engine
+
+    seen = []
+    real = engine.encode_prompts
+    monkeypatch.setattr(engine, "encode_prompts", lambda tok, prompts, chat: seen.append(prompts[0]) or
+                        real(tok, prompts, chat))
+    for flags in ([], ["--history"]):
+        seen.clear()
+        assert cli(["chat", *flags], capsys, monkeypatch, b"copy: abcd\nreverse: abcd\n")[0] == 0
+        assert ("copy: abcd" in seen[1]) == bool(flags) and "reverse: abcd" in seen[1]

@@ -166,7 +166,7 @@ class DiffusionLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.generation_defaults: dict[str, int] = {}  # gen_length/block_length/steps from generation_config.json
+        self.generation_defaults: dict[str, int | bool] = {}  # from generation_config.json (dllm.loading)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
