@@ -170,3 +170,13 @@ def test_official_llada_chat_template_renders_through_our_prompt_path():
         tok.chat_template = template
         ids = encode_prompts(tok, [" add: 1+2 "], chat=True)[0]
         assert tok.decode(ids) == want
+
+
+def test_fused_projection_gives_the_same_parts_both_ways():
+    """The GPU path (one matmul, then split) and the CPU path (a matmul per row block) agree."""
+    from dllm.models.transformer import fused_linear
+    layer = torch.nn.Linear(16, 8 + 4 + 4, bias=True)
+    x = torch.randn(2, 5, 16)
+    one, per_part = fused_linear(x, layer, (8, 4, 4), per_part=False), fused_linear(x, layer, (8, 4, 4), per_part=True)
+    assert [p.shape[-1] for p in one] == [8, 4, 4]
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(one, per_part))

@@ -101,6 +101,18 @@ def shard_rows(cfg: ModelConfig, shard: str) -> slice:
     return slice(start, start + size)
 
 
+def fused_linear(x: Tensor, layer: nn.Linear, sizes: tuple[int, ...], per_part: bool | None = None
+                 ) -> tuple[Tensor, ...]:
+    """The parts of a fused projection (q/k/v, gate/up): one matmul on a GPU; on a CPU (`per_part`) one matmul
+    per part on the weight's contiguous row blocks, which measured 4-10% faster there (oneDNN, llada-small)."""
+    if per_part is None:
+        per_part = not x.is_cuda
+    if not per_part:
+        return layer(x).split(sizes, dim=-1)
+    biases = (None,) * len(sizes) if layer.bias is None else layer.bias.split(sizes)
+    return tuple(F.linear(x, w, b) for w, b in zip(layer.weight.split(sizes), biases))
+
+
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate-half RoPE in fp32 (LLaDA's `rope_full_precision`); x `[B, H, A, D]`, cos/sin `[B, 1, A, D]`."""
     xf = x.float()
@@ -129,13 +141,14 @@ class Block(nn.Module):
         self.qkv_proj = nn.Linear(d, d + 2 * kv, bias=cfg.qkv_bias)  # q, k, v in one matmul
         self.o_proj = nn.Linear(d, d, bias=False)
         self.mlp_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.gate_up_sizes = (cfg.intermediate_size,) * 2
         self.gate_up_proj = nn.Linear(d, 2 * cfg.intermediate_size, bias=False)  # gate, up in one matmul
         self.down_proj = nn.Linear(cfg.intermediate_size, d, bias=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, key_mask: Tensor | None,
                 kv: KVAccess | None, layer: int) -> Tensor:
         h = self.attn_norm(x)
-        q, k, v = self.qkv_proj(h).split(self.qkv_sizes, dim=-1)
+        q, k, v = fused_linear(h, self.qkv_proj, self.qkv_sizes)
         q = rearrange(q, "b a (h d) -> b h a d", h=self.n_heads)
         k = rearrange(k, "b a (h d) -> b h a d", h=self.n_kv_heads)
         v = rearrange(v, "b a (h d) -> b h a d", h=self.n_kv_heads)
@@ -149,7 +162,7 @@ class Block(nn.Module):
                                            enable_gqa=self.n_heads != self.n_kv_heads)
         x = x + self.o_proj(rearrange(o, "b h a d -> b a (h d)"))
         h = self.mlp_norm(x)
-        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+        gate, up = fused_linear(h, self.gate_up_proj, self.gate_up_sizes)
         return x + self.down_proj(F.silu(gate) * up)
 
 

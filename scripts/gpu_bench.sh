@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The GPU table of BENCHMARKS.md in one command: `dllm bench` on random:llada-8b in bf16, caches none and dual,
+# batch 1 and 8; ms per full and per cached (32-row) forward against the weight-read floor (the bf16 weights
+# read once per forward at the HBM bandwidth of the card). About 5 minutes on an H100.
+#
+#   scripts/gpu_bench.sh                         # writes runs/gpu-bench/*.json and prints the Markdown table
+#   MODEL=random:llada-tiny DEVICE=cpu DTYPE=float32 GEN=64 scripts/gpu_bench.sh   # a dry run without a GPU
+set -euo pipefail
+MODEL=${MODEL:-random:llada-8b}
+DEVICE=${DEVICE:-cuda}
+DTYPE=${DTYPE:-bfloat16}
+GEN=${GEN:-256}
+OUT=${OUT:-runs/gpu-bench}
+mkdir -p "$OUT"
+for cache in none dual; do
+  for batch in 1 8; do
+    dllm bench --model "$MODEL" --device "$DEVICE" --dtype "$DTYPE" --sampler low_confidence --cache "$cache" \
+      --gen-length "$GEN" --block-length 32 --batch-size "$batch" --repeats 2 --json > "$OUT/$cache-b$batch.json"
+  done
+done
+python - "$OUT" <<'EOF'
+import json
+import sys
+from pathlib import Path
+
+BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12}  # bytes/s of HBM (SXM parts)
+rows = []
+for path in sorted(Path(sys.argv[1]).glob("*.json")):
+    r = json.loads(path.read_text())
+    weight_bytes = r["model"]["parameters"] * (2 if r["model"]["dtype"] in ("bfloat16", "float16") else 4)
+    card = next((name for name in BANDWIDTH if name in r["device"]), None)
+    floor = 1000 * weight_bytes / BANDWIDTH[card] if card else None
+    ms = r["ms_per_forward"]
+    cached = ms.get("cached")
+    rows.append(f"| {r['config']['cache']['name']} | {r['config']['batch_size']} | {ms['full']:.2f} | "
+                + (f"{cached:.2f}" if cached else "-") + " | "
+                + (f"{floor:.2f} | {(cached or ms['full']) / floor:.2f}x" if floor else "- | -")
+                + f" | {r['tokens_per_second']:.0f} | {r['peak_mb']:.0f} |")
+print(f"{r['model']['arch']} {r['model']['parameters'] / 1e9:.2f}B {r['model']['dtype']} on {r['device']}, "
+      f"gen {r['config']['gen_length']}, block 32\n")
+print("| cache | batch | ms per full forward | ms per cached forward | weight-read floor ms | cached (or full) / floor "
+      "| tokens/s | peak MB |")
+print("|---|---|---|---|---|---|---|---|")
+print("\n".join(rows))
+EOF
