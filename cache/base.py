@@ -100,16 +100,18 @@ class PassThrough:
 
 
 class KVStore(PassThrough):
-    """Per-layer post-RoPE K/V of the whole canvas, `[B, Hkv, L, D]`, written in place at the active rows.
+    """Post-RoPE K/V of the whole canvas for every layer in one buffer allocated per generation,
+    `[layers, 2, B, Hkv, L, D]` (`k[layer]`, `v[layer]` are views of it), written in place at the active rows.
 
     A row that is not active keeps the value written the last time it was computed."""
 
     def __init__(self, n_layers: int, batch: int, kv_heads: int, length: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
         super().__init__(n_layers)
-        shape = (batch, kv_heads, length, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self._use(torch.zeros((n_layers, 2, batch, kv_heads, length, head_dim), dtype=dtype, device=device))
+
+    def _use(self, buffer: Tensor) -> None:
+        self.buffer, self.k, self.v = buffer, buffer[:, 0], buffer[:, 1]
 
     def update(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         super().update(layer, q, k, v)
@@ -119,20 +121,18 @@ class KVStore(PassThrough):
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return self.buffer.numel() * self.buffer.element_size()
 
     def fork(self, copies: int) -> "KVStore":
         """The store repeated per draft (FreeDave's batch expansion): drafts write their own rows only."""
         view = copy.copy(self)
-        view.k = [t.repeat_interleave(copies, 0) for t in self.k]
-        view.v = [t.repeat_interleave(copies, 0) for t in self.v]
+        view._use(self.buffer.repeat_interleave(copies, 2))
         return view
 
     def adopt(self, fork: "KVStore", choice: Tensor) -> None:
-        pick = torch.arange(len(choice), device=choice.device) * (fork.k[0].shape[0] // len(choice)) + choice
-        for mine, theirs in ((self.k, fork.k), (self.v, fork.v)):
-            for layer, t in enumerate(theirs):
-                mine[layer][:, :, fork.rows] = t[pick][:, :, fork.rows]
+        """Draft `choice[b]`'s rows (`fork.rows`, a slice: drafts verify between refreshes) into this store."""
+        pick = torch.arange(len(choice), device=choice.device) * (fork.buffer.shape[2] // len(choice)) + choice
+        self.buffer[:, :, :, :, fork.rows] = fork.buffer[:, :, pick][:, :, :, :, fork.rows]
 
 
 class DelayedKVStore(KVStore):

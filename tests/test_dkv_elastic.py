@@ -71,7 +71,7 @@ def test_index_rows_go_through_the_store_exactly(model):
                              canvas.key_mask, kv)
         assert (shuffled - gather_rows(full, kv.rows)).abs().max() < 1e-5
 
-        stored = [t.clone() for t in kv.k + kv.v]
+        stored = [t.clone() for t in [*kv.k, *kv.v]]
         active = torch.zeros(B, n, dtype=torch.bool)
         active[0, [9, 12, 15]] = active[1, 10] = True
         kv.rows, kv.valid = index_rows(active)
@@ -79,7 +79,7 @@ def test_index_rows_go_through_the_store_exactly(model):
         canvas.tokens[active] = 20  # new tokens at the active rows only
         part = model.run(gather_rows(canvas.tokens, kv.rows), gather_rows(canvas.positions, kv.rows),
                          canvas.key_mask, kv)
-    for before, after in zip(stored, kv.k + kv.v):
+    for before, after in zip(stored, [*kv.k, *kv.v]):
         assert torch.equal(before.transpose(1, 2)[~active], after.transpose(1, 2)[~active])  # pads included
         assert not torch.equal(before.transpose(1, 2)[active], after.transpose(1, 2)[active])
         fresh = model.run(canvas.tokens, canvas.positions, canvas.key_mask, None)
