@@ -135,17 +135,6 @@ class KVStore(PassThrough):
         self.buffer[:, :, :, :, fork.rows] = fork.buffer[:, :, pick][:, :, :, :, fork.rows]
 
 
-class DelayedKVStore(KVStore):
-    """A KVStore for caches whose rows follow what was decoded (dKV-Cache's one-step delay: a token decoded
-    since the last forward is recomputed once with its real token before the store serves it; Elastic-Cache's
-    newly decoded set)."""
-
-    def __init__(self, model, batch: int, length: int):
-        cfg = model.config
-        super().__init__(cfg.n_layers, batch, cfg.n_kv_heads, length, cfg.head_dim, model.dtype, model.device)
-        self.arch = cfg.arch
-
-
 @dataclass
 class PlanContext:
     """What a cache sees before a forward; the loop says what changed, so no cache diffs the canvas."""
@@ -160,6 +149,7 @@ class PlanContext:
     lo: int  # canvas positions [lo, hi) need logits
     hi: int
     shift: int  # 1 for AR-shifted models (Dream): position i is scored by row i - 1
+    arch: str  # "llada" | "dream": papers' defaults that depend on the model
 
 
 @dataclass

@@ -20,7 +20,7 @@ from torch import Tensor
 from dllm.params import param
 
 from . import register
-from .base import Cache, DelayedKVStore, index_rows, predicting_rows
+from .base import Cache, index_rows, predicting_rows
 
 DECODE_REFRESH = {"llada": 8, "dream": 4}  # paper Tables 1-3 (LLaDA-8B-Instruct / Dream-Base-7B)
 
@@ -35,17 +35,14 @@ class DkvDecode(Cache):
     refresh_every: int | None = param(None, "recompute every row every k steps of a block (None: 8 for LLaDA, "
                                       "4 for Dream, the papers' settings; 1 = no cache)", ge=1)
 
-    def new_kv(self, model, batch: int, length: int) -> DelayedKVStore:
-        return DelayedKVStore(model, batch, length)
-
     def plan(self, kv, plan):
         """Step 0 and every `refresh_every`-th step of a block recompute everything (LLaDA's reference also
         step 1, whose step 0 writes no cache; Dream's does not). Otherwise the rows not yet decoded when the
         previous step was planned: the masks and the tokens decoded at the previous step. For Dream, row j is
         kept while token j + 1 is masked, its prediction (the reference's `shift_type='un'`)."""
-        period = self.refresh_every or DECODE_REFRESH[kv.arch]
+        period = self.refresh_every or DECODE_REFRESH[plan.arch]
         kv.valid = None
-        if plan.decoded is None or plan.step % period == 0 or (plan.step == 1 and kv.arch == "llada"):
+        if plan.decoded is None or plan.step % period == 0 or (plan.step == 1 and plan.arch == "llada"):
             return slice(0, plan.masked.shape[1])
         rows, kv.valid = index_rows(predicting_rows(plan.masked | plan.decoded, plan.shift))
         return rows
@@ -65,9 +62,6 @@ class DkvGreedy(Cache):
                         "(paper: 4, 2 for MBPP)", ge=0)
     window_anchor: str = param("next", "anchor the window on the tokens committed next (reference code) or "
                                "just committed (paper text)", choices=("next", "prev"))
-
-    def new_kv(self, model, batch: int, length: int) -> DelayedKVStore:
-        return DelayedKVStore(model, batch, length)
 
     def plan(self, kv, plan):
         kv.valid = None

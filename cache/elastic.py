@@ -23,7 +23,7 @@ from dllm.models.transformer import attention_probabilities
 from dllm.params import param
 
 from . import register
-from .base import Cache, DelayedKVStore, index_rows, predicting_rows, row_slots, write_rows
+from .base import Cache, KVStore, index_rows, predicting_rows, row_slots, write_rows
 
 WINDOW = {"llada": 16, "dream": 32}  # beta of the authors' eval scripts
 
@@ -69,18 +69,18 @@ class ElasticCache(Cache):
         masked = plan.masked
         scored = torch.zeros_like(masked)
         scored[:, plan.lo:plan.hi] = True
-        beta = self.window_length or WINDOW[kv.arch]
+        beta = self.window_length or WINDOW[plan.arch]
         window = predicting_rows(masked & ((masked.cumsum(1) <= beta) | scored), plan.shift)
         active = None if plan.decoded is None else plan.decoded | kv.tracked.any(0) | window
         return kv.start(plan.canvas, masked, window, active)
 
 
-class ElasticStore(DelayedKVStore):
+class ElasticStore(KVStore):
     """Per layer: post-RoPE K, V and Q and the layer input of every canvas row, and the tokens it tracks."""
 
     def __init__(self, model, batch: int, length: int, policy: ElasticCache):
-        super().__init__(model, batch, length)
         cfg, dtype, device = model.config, model.dtype, model.device
+        super().__init__(cfg.n_layers, batch, cfg.n_kv_heads, length, cfg.head_dim, dtype, device)
         self.policy = policy
         self.q = [torch.zeros(batch, cfg.n_heads, length, cfg.head_dim, dtype=dtype, device=device)
                   for _ in range(cfg.n_layers)]

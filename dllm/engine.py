@@ -191,7 +191,7 @@ class Runner:
         if self.verified is None or not torch.equal(window, self.verified[0][rows, choice]):
             raise DllmError("a sampler returned a verified draft that differs from its commits; commit exactly the "
                             "chosen draft")
-        drafts, fork, logits = self.verified
+        _, fork, logits = self.verified
         self.kv.adopt(fork, choice)
         self.verified = None
         return logits[rows, choice]
@@ -242,7 +242,7 @@ def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache
         next_commits = sampler.next_commits(state) if cache.needs_next_commits else None
         return lo, hi, cache.plan(kv, caches.PlanContext(
             canvas=canvas, masked=masked, decoded=decoded, next_commits=next_commits, step=step, start=start,
-            end=end, lo=lo, hi=hi, shift=cfg.logit_shift))
+            end=end, lo=lo, hi=hi, shift=cfg.logit_shift, arch=cfg.arch))
 
     start_time = _clock(model.device)
     start, block = prompt_length, 0

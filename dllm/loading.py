@@ -165,6 +165,8 @@ def read_generation_config(path: Path) -> dict[str, int | bool]:
     except json.JSONDecodeError as e:
         raise DllmError(f"{file} is not valid JSON ({e}); fix or delete it") from None
     out = {ours: hf[key] for key, ours in GENERATION_KEYS.items() if hf.get(key) is not None}
+    if "gen_length" not in out:  # steps only mean something with the length they were chosen for
+        out.pop("steps", None)
     for name, value in out.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise DllmError(f"{file}: {name} must be a positive integer, got {value!r}; fix or delete it")

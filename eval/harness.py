@@ -32,8 +32,8 @@ VERSIONED_PACKAGES = ("dllm-fast", "torch", "transformers", "tokenizers", "accel
 
 def evaluate(model, tokenizer, task: str, sampler: str | Any = "low_confidence", cache: str | Any = "none",
              gen_length: int | None = None, block_length: int | None = None, steps: int | None = None,
-             limit: int | None = None,
-             batch_size: int = 16, output: str | Path | None = None, seed: int = 0, chat: bool | None = None,
+             limit: int | None = None, batch_size: int = 16, output: str | Path | None = None, seed: int = 0,
+             chat: bool | None = None,
              sampler_args: dict | None = None, cache_args: dict | None = None, model_name: str = "",
              data: str | Path | None = None, num_fewshot: int | None = None, gold: bool = False) -> dict[str, Any]:
     """Decode every item of `task` (or, with `gold`, take its reference solutions), score it and write

@@ -27,8 +27,7 @@ class DllmLM(LM):
 
     def __init__(self, model: str = "tiny-llada", sampler: str = "low_confidence", cache: str = "none",
                  gen_length: int | None = None, block_length: int | None = None, steps: int | None = None,
-                 seed: int = 0,
-                 device: str = "cpu", dtype: str | None = None, batch_size: int | str = 1,
+                 seed: int = 0, device: str = "cpu", dtype: str | None = None, batch_size: int | str = 1,
                  max_batch_size: int | None = None, **params) -> None:  # lm-eval passes max_batch_size
         super().__init__()
         import dllm

@@ -2,7 +2,7 @@
 
 Deliberate difference from every reference sampler (ML-GSAI/LLaDA `generate`, NVlabs/Fast-dLLM
 `get_transfer_index` / `get_transfer_index_dynamic`, Dream `_sample` / `sample_tokens`): the decode loop sets the
-MASK token's logit to -inf before a sampler sees the logits (`dllm/decode.py`), so MASK is never proposed and
+MASK token's logit to -inf before a sampler sees the logits (`dllm/engine.py`), so MASK is never proposed and
 confidences are softmax probabilities over the other tokens. The references use the full vocabulary: they can
 propose MASK, and "committing" it leaves the position masked."""
 from __future__ import annotations

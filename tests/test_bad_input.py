@@ -216,6 +216,10 @@ def test_generation_config_of_the_model_directory_wins(tmp_path):
     out = dllm.generate(loaded, tok, ["hi"], chat=False, stop_early=False, trace=True)
     assert out.sequences.shape[1] - 2 == 16 and {s["block"] for s in out.trace} == {0, 1}
     assert dllm.generate(loaded, tok, ["hi"], chat=False, gen_length=32).sequences.shape[1] - 2 == 32  # caller wins
+    (tmp_path / "generation_config.json").write_text(json.dumps({"steps": 512}))  # Dream's default, no length
+    assert "steps" not in dllm.load(str(tmp_path))[0].generation_defaults  # not applied to our 64 tokens
+    (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 16, "steps": 8}))
+    assert dllm.load(str(tmp_path))[0].generation_defaults == {"gen_length": 16, "steps": 8}
     (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": "many"}))
     with pytest.raises(DllmError, match="gen_length must be a positive integer, got 'many'; fix or delete it"):
         dllm.load(str(tmp_path))

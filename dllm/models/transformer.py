@@ -93,12 +93,18 @@ def rope_frequencies(cfg: ModelConfig, device=None) -> Tensor:
     return (cfg.rope_theta ** -exponent).float()
 
 
-def shard_rows(cfg: ModelConfig, shard: str) -> slice:
-    """The rows (output features) of a fused projection that hold one checkpoint tensor: `q`, `k`, `v` of
-    `qkv_proj`, `gate`, `up` of `gate_up_proj` (name tables write them `layers.{i}.qkv_proj.weight:q`)."""
+def fused_parts(cfg: ModelConfig) -> dict[str, dict[str, int]]:
+    """Each fused projection's parts, in row order, with their sizes (output features)."""
     d, kv, f = cfg.hidden_size, cfg.n_kv_heads * cfg.head_dim, cfg.intermediate_size
-    start, size = {"q": (0, d), "k": (d, kv), "v": (d + kv, kv), "gate": (0, f), "up": (f, f)}[shard]
-    return slice(start, start + size)
+    return {"qkv_proj": {"q": d, "k": kv, "v": kv}, "gate_up_proj": {"gate": f, "up": f}}
+
+
+def shard_rows(cfg: ModelConfig, shard: str) -> slice:
+    """The rows of a fused projection that hold one checkpoint tensor (`q`, `k`, `v`, `gate`, `up`; name tables
+    write them `layers.{i}.qkv_proj.weight:q`)."""
+    parts = next(p for p in fused_parts(cfg).values() if shard in p)
+    start = sum(parts[name] for name in list(parts)[:list(parts).index(shard)])
+    return slice(start, start + parts[shard])
 
 
 def fused_linear(x: Tensor, layer: nn.Linear, sizes: tuple[int, ...], per_part: bool | None = None
@@ -134,15 +140,15 @@ def attention_probabilities(q: Tensor, k: Tensor, key_mask: Tensor | None) -> Te
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        d, kv = cfg.hidden_size, cfg.n_kv_heads * cfg.head_dim
+        d = cfg.hidden_size
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
+        parts = fused_parts(cfg)
+        self.qkv_sizes, self.gate_up_sizes = tuple(parts["qkv_proj"].values()), tuple(parts["gate_up_proj"].values())
         self.attn_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.qkv_sizes = (d, kv, kv)
-        self.qkv_proj = nn.Linear(d, d + 2 * kv, bias=cfg.qkv_bias)  # q, k, v in one matmul
+        self.qkv_proj = nn.Linear(d, sum(self.qkv_sizes), bias=cfg.qkv_bias)  # q, k, v in one matmul
         self.o_proj = nn.Linear(d, d, bias=False)
         self.mlp_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.gate_up_sizes = (cfg.intermediate_size,) * 2
-        self.gate_up_proj = nn.Linear(d, 2 * cfg.intermediate_size, bias=False)  # gate, up in one matmul
+        self.gate_up_proj = nn.Linear(d, sum(self.gate_up_sizes), bias=False)  # gate, up in one matmul
         self.down_proj = nn.Linear(cfg.intermediate_size, d, bias=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, key_mask: Tensor | None,
