@@ -7,51 +7,57 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from dllm.models.transformer import Rows
 from dllm.params import Params
 
 
-def gather_rows(t: Tensor, rows: slice | Tensor) -> Tensor:
-    """`t[:, rows]` of a `[B, L, ...]` tensor, for a slice or a `[B, A]` index of canvas rows."""
-    if isinstance(rows, slice):
-        return t[:, rows]
-    index = rows.reshape(*rows.shape, *[1] * (t.dim() - 2)).expand(*rows.shape, *t.shape[2:])
+def gather_rows(t: Tensor, rows: Rows) -> Tensor:
+    """`t[:, rows]` of a `[B, L, ...]` tensor."""
+    if rows.is_slice:
+        return t[:, rows.index]
+    if rows.index.dim() == 1:
+        return t.index_select(1, rows.index)
+    index = rows.index.reshape(*rows.index.shape, *[1] * (t.dim() - 2)).expand(*rows.index.shape, *t.shape[2:])
     return t.gather(1, index)
 
 
-def write_rows(store: Tensor, dim: int, rows: slice | Tensor, valid: Tensor | None, fresh: Tensor) -> None:
+def write_rows(store: Tensor, dim: int, rows: Rows, fresh: Tensor) -> None:
     """Write `fresh` into `store` at the canvas `rows` of its dimension `dim` (2 for `[B, H, L, D]`, 1 for
-    `[B, L, d]`). Padding slots (`valid` False) keep what the store holds."""
-    if isinstance(rows, slice):
-        store[(slice(None),) * dim + (rows,)] = fresh
+    `[B, L, d]`). Padding slots (`rows.valid` False) keep what the store holds."""
+    if rows.is_slice:
+        store[(slice(None),) * dim + (rows.index,)] = fresh
         return
-    shape = [rows.shape[0]] + [1] * (store.dim() - 1)
-    shape[dim] = rows.shape[1]
-    index = rows.reshape(shape).expand_as(fresh)
-    if valid is not None:
-        fresh = torch.where(valid.reshape(shape), fresh, store.gather(dim, index))
+    if rows.index.dim() == 1:
+        store.index_copy_(dim, rows.index, fresh)
+        return
+    shape = [rows.index.shape[0]] + [1] * (store.dim() - 1)
+    shape[dim] = rows.index.shape[1]
+    index = rows.index.reshape(shape).expand_as(fresh)
+    if rows.valid is not None:
+        fresh = torch.where(rows.valid.reshape(shape), fresh, store.gather(dim, index))
     store.scatter_(dim, index, fresh)
 
 
-def index_rows(active: Tensor) -> tuple[Tensor, Tensor]:
-    """The rows of a `[B, L]` bool mask as a `[B, A]` index (ascending, A = the most any batch row has) and
-    the `[B, A]` mask of real slots. Shorter rows are padded with distinct inactive rows: computed, counted,
+def index_rows(active: Tensor) -> Rows:
+    """The rows of a `[B, L]` bool mask as a `[B, A]` index (ascending, A = the most any batch row has) with
+    the `[B, A]` mask of its real slots. Shorter rows are padded with distinct inactive rows: computed, counted,
     never written (see `write_rows`), so every batch row gets exactly its own rows' values."""
     count = active.sum(1)
     order = (~active).to(torch.uint8).argsort(dim=1, stable=True)  # active rows first, each group ascending
     width = int(count.max())
-    return order[:, :width], torch.arange(width, device=active.device) < count[:, None]
+    return Rows(order[:, :width], torch.arange(width, device=active.device) < count[:, None])
 
 
-def row_slots(kv: "PassThrough", lo: int, hi: int, length: int, device: torch.device) -> Tensor:
-    """Where canvas rows `[lo, hi)` sit among the rows `kv` computes: `[B or 1, hi - lo]`, -1 for a row it
-    does not compute."""
-    if isinstance(kv.rows, slice):
-        return torch.arange(lo - kv.rows.start, hi - kv.rows.start, device=device)[None]
-    rows, width = kv.rows, kv.rows.shape[1]
-    slot = torch.arange(width, device=rows.device).expand_as(rows)
-    if kv.valid is not None:
-        slot = slot.masked_fill(~kv.valid, -1)
-    return torch.full((rows.shape[0], length), -1, device=rows.device).scatter(1, rows, slot)[:, lo:hi]
+def row_slots(rows: Rows, lo: int, hi: int, length: int, device: torch.device) -> Tensor:
+    """Where canvas rows `[lo, hi)` sit among the computed `rows` (a slice or a `[B, A]` index): `[B or 1, hi - lo]`,
+    -1 for a row not computed."""
+    if rows.is_slice:
+        return torch.arange(lo - rows.index.start, hi - rows.index.start, device=device)[None]
+    index, width = rows.index, rows.index.shape[1]
+    slot = torch.arange(width, device=index.device).expand_as(index)
+    if rows.valid is not None:
+        slot = slot.masked_fill(~rows.valid, -1)
+    return torch.full((index.shape[0], length), -1, device=index.device).scatter(1, index, slot)[:, lo:hi]
 
 
 def predicting_rows(positions: Tensor, shift: int) -> Tensor:
@@ -64,27 +70,28 @@ def predicting_rows(positions: Tensor, shift: int) -> Tensor:
 
 
 class PassThrough:
-    """No storage: the active rows are the only keys. Counts rows computed per layer. Its no-op `expand`,
-    `attention_rows` and `observe_attention` are the hooks a cache overrides (see `dllm.models.KVAccess`).
-
-    `rows` is a slice of the canvas or a `[B, A]` index; with an index, `valid` marks its real slots."""
+    """No storage: the active rows are the only keys. Its no-op `expand`, `attention_rows` and
+    `observe_attention` are the hooks a cache overrides (see `dllm.models.KVAccess`). `rows_per_layer` counts
+    the rows computed per layer (batch summed), told by the loop through `count`."""
 
     def __init__(self, n_layers: int):
         self.rows_per_layer = [0] * n_layers
-        self.rows: slice | Tensor = slice(None)
-        self.valid: Tensor | None = None
 
-    def expand(self, layer: int, x: Tensor) -> tuple[Tensor, Tensor] | None:
+    def count(self, rows: int, canvas_rows: int) -> None:
+        """One forward computed `rows` rows at every layer (a cache that grows them to every one of the
+        `canvas_rows` from some layer on says so)."""
+        self.rows_per_layer = [n + rows for n in self.rows_per_layer]
+
+    def expand(self, layer: int, rows: Rows, x: Tensor) -> tuple[Tensor, Tensor] | None:
         return None
 
-    def update(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        self.rows_per_layer[layer] += k.shape[0] * k.shape[2]
+    def update(self, layer: int, rows: Rows, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         return k, v
 
-    def attention_rows(self, layer: int) -> Tensor | None:
+    def attention_rows(self, layer: int, rows: Rows) -> Tensor | None:
         return None
 
-    def observe_attention(self, layer: int, probs: Tensor) -> None:
+    def observe_attention(self, layer: int, rows: Rows, probs: Tensor) -> None:
         pass
 
     @property
@@ -92,11 +99,11 @@ class PassThrough:
         return 0
 
     def fork(self, copies: int) -> "PassThrough":
-        """A view for `copies` draft canvases per row (batch `B * copies`) that counts into this one."""
+        """A view for `copies` draft canvases per row (batch `B * copies`)."""
         return copy.copy(self)
 
-    def adopt(self, fork: "PassThrough", choice: Tensor) -> None:
-        """Take the state of draft `choice[b]` of each row from `fork`."""
+    def adopt(self, fork: "PassThrough", choice: Tensor, rows: slice) -> None:
+        """Take the state of draft `choice[b]` of each row, computed at canvas `rows`, from `fork`."""
 
 
 class KVStore(PassThrough):
@@ -113,10 +120,9 @@ class KVStore(PassThrough):
     def _use(self, buffer: Tensor) -> None:
         self.buffer, self.k, self.v = buffer, buffer[:, 0], buffer[:, 1]
 
-    def update(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        super().update(layer, q, k, v)
-        write_rows(self.k[layer], 2, self.rows, self.valid, k)
-        write_rows(self.v[layer], 2, self.rows, self.valid, v)
+    def update(self, layer: int, rows: Rows, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        write_rows(self.k[layer], 2, rows, k)
+        write_rows(self.v[layer], 2, rows, v)
         return self.k[layer], self.v[layer]
 
     @property
@@ -129,10 +135,10 @@ class KVStore(PassThrough):
         view._use(self.buffer.repeat_interleave(copies, 2))
         return view
 
-    def adopt(self, fork: "KVStore", choice: Tensor) -> None:
-        """Draft `choice[b]`'s rows (`fork.rows`, a slice: drafts verify between refreshes) into this store."""
+    def adopt(self, fork: "KVStore", choice: Tensor, rows: slice) -> None:
+        """Draft `choice[b]`'s `rows` (a slice: drafts verify between refreshes) into this store."""
         pick = torch.arange(len(choice), device=choice.device) * (fork.buffer.shape[2] // len(choice)) + choice
-        self.buffer[:, :, :, :, fork.rows] = fork.buffer[:, :, pick][:, :, :, :, fork.rows]
+        self.buffer[:, :, :, :, rows] = fork.buffer[:, :, pick][:, :, :, :, rows]
 
 
 @dataclass
@@ -161,6 +167,7 @@ class Cache(Params):
     stores_kv: ClassVar[bool] = True
     verifies_drafts: ClassVar[bool] = False  # True when the store is its only per-step state (`fork`/`adopt`)
     needs_next_commits: ClassVar[bool] = False  # `plan` needs the next step's commits before its forward
+    compiles: ClassVar[bool] = False  # its rows are always slices, so the forward can run compiled
 
     def new_kv(self, model, batch: int, length: int) -> PassThrough:
         cfg = model.config
@@ -168,13 +175,13 @@ class Cache(Params):
             return PassThrough(cfg.n_layers)
         return KVStore(cfg.n_layers, batch, cfg.n_kv_heads, length, cfg.head_dim, model.dtype, model.device)
 
-    def plan(self, kv: PassThrough, plan: PlanContext) -> slice | Tensor:
-        """Rows to compute at the forward described by `plan`: a slice, or a `[B, A]` index (then the plan also
-        sets `kv.valid`). Called once before each forward. A position whose scoring row is not computed gets
+    def plan(self, kv: PassThrough, plan: PlanContext) -> Rows:
+        """Rows to compute at the forward described by `plan`: a slice, or a `[B, A]` index with its valid
+        slots. Called once before each forward. A position whose scoring row is not computed gets
         no prediction, so every position the sampler may commit (`[lo, hi)`) must be covered. Default: the
         block policy's `active_rows`, widened to the whole window."""
         rows = self.active_rows(plan.step, plan.start, plan.end, plan.masked.shape[1], plan.shift)
-        return slice(min(rows.start, plan.lo - plan.shift), max(rows.stop, plan.hi - plan.shift))
+        return Rows(slice(min(rows.start, plan.lo - plan.shift), max(rows.stop, plan.hi - plan.shift)))
 
     def active_rows(self, step: int, start: int, end: int, length: int, shift: int) -> slice:
         """Rows to compute at `step` (0 = first step) of the block `[start, end)` of a canvas of `length`;

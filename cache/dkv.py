@@ -17,6 +17,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from dllm.models.transformer import Rows
 from dllm.params import param
 
 from . import register
@@ -41,11 +42,9 @@ class DkvDecode(Cache):
         previous step was planned: the masks and the tokens decoded at the previous step. For Dream, row j is
         kept while token j + 1 is masked, its prediction (the reference's `shift_type='un'`)."""
         period = self.refresh_every or DECODE_REFRESH[plan.arch]
-        kv.valid = None
         if plan.decoded is None or plan.step % period == 0 or (plan.step == 1 and plan.arch == "llada"):
-            return slice(0, plan.masked.shape[1])
-        rows, kv.valid = index_rows(predicting_rows(plan.masked | plan.decoded, plan.shift))
-        return rows
+            return Rows(slice(0, plan.masked.shape[1]))
+        return index_rows(predicting_rows(plan.masked | plan.decoded, plan.shift))
 
 
 @register("dkv_greedy")
@@ -64,13 +63,11 @@ class DkvGreedy(Cache):
                                "just committed (paper text)", choices=("next", "prev"))
 
     def plan(self, kv, plan):
-        kv.valid = None
         if plan.decoded is None or plan.step % self.refresh_every == 0:
-            return slice(0, plan.masked.shape[1])
+            return Rows(slice(0, plan.masked.shape[1]))
         anchors = plan.next_commits if self.window_anchor == "next" else plan.decoded
         near = neighbours(anchors, plan.masked & ~plan.next_commits, self.window)
-        rows, kv.valid = index_rows(plan.decoded | predicting_rows(plan.next_commits | near, plan.shift))
-        return rows
+        return index_rows(plan.decoded | predicting_rows(plan.next_commits | near, plan.shift))
 
 
 def neighbours(anchors: Tensor, free: Tensor, count: int) -> Tensor:

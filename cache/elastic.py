@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dllm.models.transformer import attention_probabilities
+from dllm.models.transformer import Rows, attention_probabilities
 from dllm.params import param
 
 from . import register
@@ -88,50 +88,55 @@ class ElasticStore(KVStore):
                   for _ in range(cfg.n_layers)]
         self.tracked = torch.zeros(cfg.n_layers, batch, length, dtype=torch.bool, device=device)
 
-    def start(self, canvas, masked: Tensor, window: Tensor, active: Tensor | None) -> slice | Tensor:
+    def start(self, canvas, masked: Tensor, window: Tensor, active: Tensor | None) -> Rows:
         """Set up one forward over the `active` rows (None: all) with the window rows `window` `[B, L]`."""
         self.positions, self.masked = canvas.positions, masked
         self.key_mask = canvas.key_mask
         self.keys_valid = torch.ones_like(masked) if canvas.key_mask is None else canvas.key_mask[:, 0, 0]
-        self.window, self.window_valid = index_rows(window)
-        self.tracked_rows, self.tracked_valid = index_rows(self.tracked.any(0))
-        self.valid = None
+        self.window, self.tracked_rows = index_rows(window), index_rows(self.tracked.any(0))
+        self.grown_at = None  # the layer from which this forward computes every row
         if active is None:
             self.full_from = 0
-            return slice(0, masked.shape[1])
+            return Rows(slice(0, masked.shape[1]))
         forced = self.policy.force_full_from_layer
         self.full_from = len(self.x) if forced is None else forced
-        self.rows, self.valid = index_rows(active)
-        slot = row_slots(self, 0, masked.shape[1], masked.shape[1], masked.device)
-        self.probe = torch.cat((slot.gather(1, self.tracked_rows), slot.gather(1, self.window)), 1).clamp(min=0)
-        return self.rows
+        rows = index_rows(active)
+        slot = row_slots(rows, 0, masked.shape[1], masked.shape[1], masked.device)
+        self.probe = torch.cat((slot.gather(1, self.tracked_rows.index), slot.gather(1, self.window.index)),
+                               1).clamp(min=0)
+        return rows
 
-    def expand(self, layer: int, x: Tensor) -> tuple[Tensor, Tensor] | None:
-        write_rows(self.x[layer], 1, self.rows, self.valid, x)
-        if isinstance(self.rows, slice) or layer < self.full_from:
+    def count(self, rows: int, canvas_rows: int) -> None:
+        grown_at = len(self.rows_per_layer) if self.grown_at is None else self.grown_at
+        self.rows_per_layer = [n + (rows if layer < grown_at else canvas_rows)
+                               for layer, n in enumerate(self.rows_per_layer)]
+
+    def expand(self, layer: int, rows: Rows, x: Tensor) -> tuple[Tensor, Tensor] | None:
+        write_rows(self.x[layer], 1, rows, x)
+        if rows.is_slice or layer < self.full_from:
             return None
-        self.rows, self.valid = slice(0, self.x[layer].shape[1]), None
+        self.grown_at = layer
         return self.x[layer], self.positions
 
-    def update(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        if not isinstance(self.rows, slice) and self.tracked_rows.shape[1]:  # their attention at the last step
-            index = self.tracked_rows[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[-1])
+    def update(self, layer: int, rows: Rows, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        if not rows.is_slice and self.tracked_rows.index.shape[1]:  # their attention at the last step
+            index = self.tracked_rows.index[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[-1])
             self.past = attention_probabilities(self.q[layer].gather(2, index), self.k[layer], self.key_mask)
-        write_rows(self.q[layer], 2, self.rows, self.valid, q)
-        return super().update(layer, q, k, v)
+        write_rows(self.q[layer], 2, rows, q)
+        return super().update(layer, rows, q, k, v)
 
-    def attention_rows(self, layer: int) -> Tensor:
+    def attention_rows(self, layer: int, rows: Rows) -> Tensor:
         """[T ; W] among the active rows; only W once every row is computed (no drift test there)."""
-        return self.window if isinstance(self.rows, slice) else self.probe
+        return self.window.index if rows.is_slice else self.probe
 
-    def observe_attention(self, layer: int, probs: Tensor) -> None:
-        tracked = 0 if isinstance(self.rows, slice) else self.tracked_rows.shape[1]
+    def observe_attention(self, layer: int, rows: Rows, probs: Tensor) -> None:
+        tracked = 0 if rows.is_slice else self.tracked_rows.index.shape[1]
         if tracked:
-            sigma = attention_drift(self.past, probs[:, :, :tracked], self.tracked_valid, self.keys_valid,
+            sigma = attention_drift(self.past, probs[:, :, :tracked], self.tracked_rows.valid, self.keys_valid,
                                     self.policy.drift_axis)
             if (sigma < self.policy.gamma).any():
                 self.full_from = min(self.full_from, layer + 1)
-        received = (probs[:, :, tracked:] * self.window_valid[:, None, :, None]).sum((1, 2))
+        received = (probs[:, :, tracked:] * self.window.valid[:, None, :, None]).sum((1, 2))
         received = received.masked_fill(self.masked | ~self.keys_valid, float("-inf"))
         top = received.topk(min(self.policy.track_num, received.shape[1]), dim=1)
         self.tracked[layer] = torch.zeros_like(self.masked).scatter(1, top.indices, top.values > float("-inf"))

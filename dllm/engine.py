@@ -18,6 +18,7 @@ from . import cache as caches
 from . import samplers as samplers_mod
 from .errors import DllmError
 from .models import DiffusionLM
+from .models import Rows
 
 if TYPE_CHECKING:
     from .cache import Cache
@@ -134,14 +135,20 @@ def _finish_rows(canvas: Canvas, finished: Tensor, cfg) -> Tensor:
 
 class Runner:
     """The model over one canvas and its cache store: counted forwards of chosen rows, and one-forward
-    verification of drafts on a fork of the store (self-speculative decoding), adopted once one is chosen."""
+    verification of drafts on a fork of the store (self-speculative decoding), adopted once one is chosen.
 
-    def __init__(self, model: DiffusionLM, canvas: Canvas, cache: Cache, kv, stats: Stats, profile: bool):
+    `compiled`: forwards go through `compiled_run(model)`, their rows as position tensors so that a block step
+    keeps one shape from block to block (caches whose rows are slices: none, prefix, dual)."""
+
+    def __init__(self, model: DiffusionLM, canvas: Canvas, cache: Cache, kv, stats: Stats, profile: bool,
+                 compiled: bool = False):
         self.model, self.canvas, self.cache, self.kv = model, canvas, cache, kv
         self.stats, self.profile = stats, profile
-        self.verified: tuple | None = None  # (drafts, fork, logits) of the last `verify`
+        self.run = compiled_run(model) if compiled else model.run
+        self.compiled = compiled
+        self.verified: tuple | None = None  # (drafts, fork, logits, rows) of the last `verify`
 
-    def forward(self, lo: int, hi: int, rows: slice | Tensor, tokens: Tensor | None = None, kv=None) -> Tensor:
+    def forward(self, lo: int, hi: int, rows: Rows, tokens: Tensor | None = None, kv=None) -> Tensor:
         """Logits of canvas positions `[lo, hi)` for every row of `tokens` (default: the canvas; or copies of
         it, drafts), computing `rows` against the store `kv` (default: the generation's)."""
         model, canvas, cfg = self.model, self.canvas, self.model.config
@@ -153,19 +160,23 @@ class Runner:
         if copies > 1:
             positions = positions.repeat_interleave(copies, 0)
             key_mask = None if key_mask is None else key_mask.repeat_interleave(copies, 0)
-        if key_mask is not None and not self.cache.stores_kv:
-            key_mask = key_mask[..., rows]
-        kv.rows = rows
         shift = cfg.logit_shift
-        slots = caches.row_slots(kv, lo - shift, hi - shift, length, model.device).expand(tokens.shape[0], -1)
-        computed = kv.rows_per_layer[0]
+        slots = caches.row_slots(rows, lo - shift, hi - shift, length, model.device).expand(tokens.shape[0], -1)
+        if self.compiled and rows.is_slice:
+            rows = Rows(torch.arange(length, device=model.device)[rows.index])
+        if key_mask is not None and not self.cache.stores_kv:
+            key_mask = key_mask[..., rows.index]
         began = _clock(model.device) if self.profile else 0.0
-        logits = model.run(caches.gather_rows(tokens, rows), caches.gather_rows(positions, rows), key_mask, kv,
-                           slots.clamp(min=0))
-        if not isinstance(rows, slice):  # rows served from the store predict nothing (not committable this step)
+        logits = self.run(caches.gather_rows(tokens, rows), caches.gather_rows(positions, rows), key_mask, kv,
+                          rows, slots.clamp(min=0))
+        if not rows.is_slice and rows.index.dim() == 2:  # rows served from the store predict nothing this step
             logits[slots < 0] = 0.0
         logits[..., cfg.mask_id] = float("-inf")  # a committed position must never stay masked
-        full = kv.rows_per_layer[0] - computed == tokens.shape[0] * length  # layer 0 computed every row
+        computed = rows.index.shape[-1] if not rows.is_slice else len(range(length)[rows.index])
+        counter = self.kv  # drafts' forwards on a fork count into the generation's store
+        before = counter.rows_per_layer[0]
+        counter.count(tokens.shape[0] * computed, tokens.shape[0] * length)
+        full = counter.rows_per_layer[0] - before == tokens.shape[0] * length  # layer 0 computed every row
         if self.profile:
             kind = "verify" if copies > 1 else "full" if full else "cached"
             self.stats.forward_seconds.setdefault(kind, []).append(_clock(model.device) - began)
@@ -173,7 +184,7 @@ class Runner:
         self.stats.full_forwards += int(full)
         return logits
 
-    def verify(self, drafts: Tensor, lo: int, hi: int, rows: slice | Tensor) -> Tensor:
+    def verify(self, drafts: Tensor, lo: int, hi: int, rows: Rows) -> Tensor:
         """One forward over draft windows `[B, K, hi - lo]` on a fork of the store: the logits
         `[B, K, hi - lo, V]` the next step would see on each draft. The generation's store is not changed."""
         batch, copies = drafts.shape[:2]
@@ -181,32 +192,42 @@ class Runner:
         tokens[:, lo:hi] = drafts.flatten(0, 1)
         fork = self.kv.fork(copies)
         logits = self.forward(lo, hi, rows, tokens, fork).unflatten(0, (batch, copies))
-        self.verified = (drafts, fork, logits)
+        self.verified = (drafts, fork, logits, rows)
         return logits
 
-    def adopt(self, choice: Tensor, window: Tensor) -> Tensor:
-        """Take draft `choice` `[B]` of the last `verify` (whose window must now equal `window`) into the store;
-        returns its logits, the next step's."""
-        rows = torch.arange(len(choice), device=choice.device)
-        if self.verified is None or not torch.equal(window, self.verified[0][rows, choice]):
-            raise DllmError("a sampler returned a verified draft that differs from its commits; commit exactly the "
-                            "chosen draft")
-        _, fork, logits = self.verified
-        self.kv.adopt(fork, choice)
+    def adopt(self, choice: Tensor) -> tuple[Tensor, Tensor]:
+        """Take draft `choice` `[B]` of the last `verify` into the store; returns the chosen drafts `[B, hi - lo]`
+        (for the loop to check against the sampler's commits) and their logits, the next step's."""
+        drafts, fork, logits, rows = self.verified
+        pick = torch.arange(len(choice), device=choice.device)
+        self.kv.adopt(fork, choice, rows.index)
         self.verified = None
-        return logits[rows, choice]
+        return drafts[pick, choice], logits[pick, choice]
+
+
+def compiled_run(model: DiffusionLM):
+    """`model.run` under `torch.compile(fullgraph=True)`, made once per model; on a GPU with CUDA graphs
+    (`mode="reduce-overhead"`). Shapes that change (prefix's shrinking rows) are compiled dynamic."""
+    run = getattr(model, "_compiled_run", None)
+    if run is None:
+        mode = "reduce-overhead" if model.device.type == "cuda" else None
+        run = model._compiled_run = torch.compile(model.run, fullgraph=True, mode=mode)
+    return run
 
 
 @torch.no_grad()
 def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache: Cache, gen_length: int,
            block_length: int, steps: int | None = None, seed: int = 0, stop_early: bool = True,
-           trace: bool = False, profile: bool = False, callback: Callable[[dict], None] | None = None
-           ) -> tuple[Canvas, Stats, list[dict] | None]:
+           trace: bool = False, profile: bool = False, callback: Callable[[dict], None] | None = None,
+           compile: bool = False) -> tuple[Canvas, Stats, list[dict] | None]:
     """Decode token-id prompts; returns the final canvas, statistics and (optionally) a per-step trace.
     `profile` times every forward (synchronizing the device) into `stats.forward_seconds` by kind: `full`
     (every canvas row computed), `cached` (the other rows read from the cache), `verify` (draft batches).
     `callback`, if given, is called after every step with `{"block", "step", "committed"}` (tokens committed
-    by the step over the batch), e.g. for a progress bar."""
+    by the step over the batch), e.g. for a progress bar. `compile` runs the model compiled
+    (`compiled_run`; caches none, prefix and dual).
+
+    The host waits for the device once per step (has the block any mask left?) and once per block."""
     cfg = model.config
     if cfg.pad_id == cfg.mask_id:
         raise DllmError("the model's pad id equals its mask id; fix pad_token_id in config.json")
@@ -217,11 +238,14 @@ def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache
     if sampler.drafts and not cache.verifies_drafts:
         raise DllmError(f"sampler {sampler.name!r} verifies drafts, which cache {cache.name!r} cannot do without "
                         f"changing its state; use cache none, prefix or dual")
+    if compile and not cache.compiles:
+        raise DllmError(f"cache {cache.name!r} chooses its rows token by token and runs eagerly; drop --compile "
+                        f"(compile=False) or use cache none, prefix or dual")
     steps_per_block = check_lengths(gen_length, block_length, steps)
     canvas = Canvas.build(model, prompts, gen_length)
     batch, length = canvas.tokens.shape
     stats, steps_trace = Stats(batch=batch), [] if trace else None
-    runner = Runner(model, canvas, cache, cache.new_kv(model, batch, length), stats, profile)
+    runner = Runner(model, canvas, cache, cache.new_kv(model, batch, length), stats, profile, compile)
     kv = runner.kv
     state = SimpleNamespace()  # the sampler's per-run state
     generator = torch.Generator(device=model.device).manual_seed(seed)
@@ -231,7 +255,7 @@ def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache
     total_steps = steps_per_block * (gen_length // block_length)
     masked_at_plan = None  # the canvas's masks when the last forward was planned
 
-    def plan(step: int, start: int, end: int) -> tuple[int, int, slice | Tensor]:
+    def plan(step: int, start: int, end: int) -> tuple[int, int, Rows]:
         """Candidate window `[lo, hi)` of a step and the rows to compute for it."""
         nonlocal masked_at_plan
         lo, hi = sampler.logit_window(prompt_length, length, start, end, step)
@@ -244,12 +268,16 @@ def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache
             canvas=canvas, masked=masked, decoded=decoded, next_commits=next_commits, step=step, start=start,
             end=end, lo=lo, hi=hi, shift=cfg.logit_shift, arch=cfg.arch))
 
+    def open_masks(start: int, end: int) -> Tensor:
+        return ((canvas.tokens[:, start:end] == cfg.mask_id) & ~finished[:, None]).any()
+
     start_time = _clock(model.device)
     start, block = prompt_length, 0
     while start < length and not finished.all():
         end = min(start + block_length, length)
         step, reused = 0, None  # reused: (window, logits) of a verified draft the sampler committed
-        while ((canvas.tokens[:, start:end] == cfg.mask_id) & ~finished[:, None]).any():
+        more = bool(open_masks(start, end))
+        while more:
             counted = list(kv.rows_per_layer)
             lo, hi, rows = plan(step, start, end)
             logits = reused[1] if reused is not None and reused[0] == (lo, hi) else runner.forward(lo, hi, rows)
@@ -258,7 +286,8 @@ def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache
 
             def verify(drafts: Tensor, step=step, start=start, end=end, lo=lo, hi=hi) -> Tensor:
                 next_lo, next_hi, next_rows = plan(step + 1, start, end)
-                if (next_lo, next_hi) != (lo, hi) or (cache.stores_kv and next_rows.stop - next_rows.start == length):
+                if (next_lo, next_hi) != (lo, hi) or (cache.stores_kv and next_rows.index.stop
+                                                      - next_rows.index.start == length):
                     raise DllmError(f"sampler {sampler.name!r} can only verify drafts inside a block between cache "
                                     f"refreshes; use refresh_every=0")
                 return runner.verify(drafts, lo, hi, next_rows)
@@ -276,11 +305,14 @@ def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache
                 ctx.eligible = masked & (positions >= start) & (positions < end)
             out = sampler.step(ctx)
             commit = out.mask & masked
-            if not torch.equal((commit & ctx.eligible).any(1), ctx.eligible.any(1)):
-                raise DllmError(f"sampler {sampler.name!r} committed nothing for an unfinished row at block "
-                                f"{block} step {step}; a sampler must commit at least one position per row")
+            stalled = (ctx.eligible.any(1) & ~(commit & ctx.eligible).any(1)).any()
             canvas.tokens[:, lo:hi] = torch.where(commit, out.tokens, canvas.tokens[:, lo:hi])
-            reused = None if out.verified is None else ((lo, hi), runner.adopt(out.verified, canvas.tokens[:, lo:hi]))
+            diverged = torch.zeros((), dtype=torch.bool, device=model.device)
+            reused = None
+            if out.verified is not None:
+                draft, draft_logits = runner.adopt(out.verified)
+                diverged = (draft != canvas.tokens[:, lo:hi]).any()
+                reused = ((lo, hi), draft_logits)
             committed += commit.sum()
             if trace:
                 rows_per_layer = [now - before for now, before in zip(kv.rows_per_layer, counted)]
@@ -289,6 +321,13 @@ def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache
                 finished = _finish_rows(canvas, finished, cfg)
             if callback is not None:
                 callback({"block": block, "step": step, "committed": int(commit.sum())})
+            more, stalled, diverged = torch.stack((open_masks(start, end), stalled, diverged)).tolist()  # one sync
+            if stalled:
+                raise DllmError(f"sampler {sampler.name!r} committed nothing for an unfinished row at block "
+                                f"{block} step {step}; a sampler must commit at least one position per row")
+            if diverged:
+                raise DllmError("a sampler returned a verified draft that differs from its commits; commit exactly "
+                                "the chosen draft")
             step += 1
         start, block = end, block + 1
     stats.seconds = _clock(model.device) - start_time

@@ -103,7 +103,7 @@ def masked_diffusion_loss(model, prompts, lengths, answers, generator, eps: floa
     real = torch.cat((real, torch.ones_like(answers, dtype=torch.bool)), 1).to(model.device)
     positions = (real.long().cumsum(1) - 1).clamp(min=0)
     rows = (torch.arange(width, tokens.shape[1]) - model.config.logit_shift).expand(batch, -1).to(model.device)
-    logits = model.run(tokens, positions, real[:, None, None, :], None, rows)
+    logits = model.run(tokens, positions, real[:, None, None, :], logit_rows=rows)
     ce = F.cross_entropy(logits.float().flatten(0, 1), answers.to(model.device).flatten(), reduction="none")
     weight = (masked / t[:, None]).to(model.device).flatten()
     return (ce * weight).sum() / answers.numel()

@@ -7,6 +7,7 @@ from dllm import cache as caches
 from dllm import samplers
 from conftest import random_model
 from dllm.engine import Canvas, _finish_rows, decode
+from dllm.models import Rows
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
 MODELS = ["llada-tiny", "dream-tiny"]
@@ -45,12 +46,10 @@ def test_fresh_cache_reproduces_full_forward(model):
     L, s, e = canvas.tokens.shape[1], canvas.prompt_length, canvas.prompt_length + 8
     shift = model.config.logit_shift
     kv = caches.CACHES.create("dual").new_kv(model, 2, L)
-    kv.rows = slice(0, L)
     with torch.no_grad():
         full = model.run(canvas.tokens, canvas.positions, canvas.key_mask, kv)
-        for rows in (slice(s - shift, e), slice(s - shift, L)):
-            kv.rows = rows
-            part = model.run(canvas.tokens[:, rows], canvas.positions[:, rows], canvas.key_mask, kv)
+        for rows in (slice(s - shift, e), slice(s - shift, L), torch.arange(s - shift, e)):
+            part = model.run(canvas.tokens[:, rows], canvas.positions[:, rows], canvas.key_mask, kv, Rows(rows))
             assert (part - full[:, rows]).abs().max() < 1e-5
 
 
@@ -140,17 +139,21 @@ class RecordingStore(caches.KVStore):
         self.hidden = [torch.zeros(B, L, cfg.hidden_size) for _ in range(cfg.n_layers)]
         self.positions, self.expand_at, self.probe, self.seen = canvas.positions, expand_at, probe, {}
 
-    def expand(self, layer, x):
-        self.hidden[layer][:, self.rows] = x
+    def expand(self, layer, rows, x):
+        self.hidden[layer][:, rows.index] = x
         if layer != self.expand_at:
             return None
-        self.rows = slice(0, self.positions.shape[1])
+        self.grown_at = layer
         return self.hidden[layer].clone(), self.positions
 
-    def attention_rows(self, layer):
+    def count(self, rows, canvas_rows):
+        self.rows_per_layer = [n + (rows if layer < self.grown_at else canvas_rows)
+                               for layer, n in enumerate(self.rows_per_layer)]
+
+    def attention_rows(self, layer, rows):
         return self.probe
 
-    def observe_attention(self, layer, probs):
+    def observe_attention(self, layer, rows, probs):
         self.seen[layer] = probs
 
 
@@ -159,14 +162,14 @@ def test_recompute_from_a_chosen_layer_restores_the_full_forward(model, layer):
     canvas = Canvas.build(model, PROMPTS, 16)
     L, s, e = canvas.tokens.shape[1], canvas.prompt_length, canvas.prompt_length + 8
     kv = RecordingStore(model, canvas, expand_at=layer)
-    kv.rows = slice(0, L)
     with torch.no_grad():
         model.run(canvas.tokens, canvas.positions, canvas.key_mask, kv)  # refresh: fills every store
+        kv.count(2 * L, 2 * L)
         canvas.tokens[:, s:s + 3] = torch.tensor([20, 21, 22])  # commits inside the block
         want = model.run(canvas.tokens, canvas.positions, canvas.key_mask, None)[:, s:e]
-        kv.rows = slice(s, e)
-        got = model.run(canvas.tokens[:, s:e], canvas.positions[:, s:e], canvas.key_mask, kv,
+        got = model.run(canvas.tokens[:, s:e], canvas.positions[:, s:e], canvas.key_mask, kv, Rows(slice(s, e)),
                         torch.arange(8).expand(2, -1))
+        kv.count(2 * (e - s), 2 * L)
     if layer == 0:  # stale rows are all unchanged tokens: exact
         assert (got - want).abs().max() < 1e-5
     else:  # layer-0 K/V of the block are fresh but deeper rows outside it were computed before the commits
@@ -179,7 +182,6 @@ def test_attention_probabilities_of_chosen_rows(model):
     L = canvas.tokens.shape[1]
     probe = torch.tensor([[0, 3], [4, 9]])
     kv = RecordingStore(model, canvas, probe=probe)
-    kv.rows = slice(0, L)
     with torch.no_grad():
         model.run(canvas.tokens, canvas.positions, canvas.key_mask, kv)
     probs = kv.seen[0]

@@ -12,6 +12,7 @@ from dllm.cache.base import gather_rows, index_rows
 from dllm.cache.elastic import attention_drift
 from conftest import random_model
 from dllm.engine import Canvas, decode
+from dllm.models import Rows
 from dllm.errors import DllmError
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]  # left-padded to P = 7
@@ -62,32 +63,31 @@ def test_index_rows_go_through_the_store_exactly(model):
     canvas = Canvas.build(model, PROMPTS, 16)
     B, n = canvas.tokens.shape
     kv = caches.CACHES.create("dkv").new_kv(model, B, n)
-    kv.rows = slice(0, n)
     with torch.no_grad():
         full = model.run(canvas.tokens, canvas.positions, canvas.key_mask, kv)  # fills the store
-        kv.rows, kv.valid = torch.stack([torch.randperm(n, generator=torch.Generator().manual_seed(b))
-                                         for b in range(B)]), torch.ones(B, n, dtype=torch.bool)
-        shuffled = model.run(gather_rows(canvas.tokens, kv.rows), gather_rows(canvas.positions, kv.rows),
-                             canvas.key_mask, kv)
-        assert (shuffled - gather_rows(full, kv.rows)).abs().max() < 1e-5
+        rows = Rows(torch.stack([torch.randperm(n, generator=torch.Generator().manual_seed(b)) for b in range(B)]),
+                    torch.ones(B, n, dtype=torch.bool))
+        shuffled = model.run(gather_rows(canvas.tokens, rows), gather_rows(canvas.positions, rows),
+                             canvas.key_mask, kv, rows)
+        assert (shuffled - gather_rows(full, rows)).abs().max() < 1e-5
 
         stored = [t.clone() for t in [*kv.k, *kv.v]]
         active = torch.zeros(B, n, dtype=torch.bool)
         active[0, [9, 12, 15]] = active[1, 10] = True
-        kv.rows, kv.valid = index_rows(active)
-        assert kv.valid.tolist() == [[True] * 3, [True, False, False]]
+        rows = index_rows(active)
+        assert rows.valid.tolist() == [[True] * 3, [True, False, False]]
         canvas.tokens[active] = 20  # new tokens at the active rows only
-        part = model.run(gather_rows(canvas.tokens, kv.rows), gather_rows(canvas.positions, kv.rows),
-                         canvas.key_mask, kv)
+        part = model.run(gather_rows(canvas.tokens, rows), gather_rows(canvas.positions, rows),
+                         canvas.key_mask, kv, rows)
     for before, after in zip(stored, [*kv.k, *kv.v]):
         assert torch.equal(before.transpose(1, 2)[~active], after.transpose(1, 2)[~active])  # pads included
         assert not torch.equal(before.transpose(1, 2)[active], after.transpose(1, 2)[active])
         fresh = model.run(canvas.tokens, canvas.positions, canvas.key_mask, None)
         first = caches.KVStore(1, B, model.config.n_kv_heads, n, model.config.head_dim, torch.float32,
                                torch.device("cpu"))
-        first.rows = slice(0, n)
-        model.layers[0](model.embed(canvas.tokens), *model.rope_tables(canvas.positions), canvas.key_mask, first, 0)
-    assert (part[kv.valid] - fresh[active]).abs().max() > 1e-4  # deeper layers keep stale keys: approximate
+        model.layers[0](model.embed(canvas.tokens), *model.rope_tables(canvas.positions), canvas.key_mask, first,
+                        Rows(slice(0, n)), 0)
+    assert (part[rows.valid] - fresh[active]).abs().max() > 1e-4  # deeper layers keep stale keys: approximate
     assert (first.k[0] - kv.k[0]).abs().max() < 1e-6  # layer 0 has no stale input: exact (T3)
 
 
@@ -105,9 +105,9 @@ def test_layer0_store_is_exact_except_the_last_commits(model, cache):
     B, n = canvas.tokens.shape
     fresh = caches.KVStore(1, B, model.config.n_kv_heads, n, model.config.head_dim, torch.float32,
                            torch.device("cpu"))
-    fresh.rows = slice(0, n)
     with torch.no_grad():
-        model.layers[0](model.embed(canvas.tokens), *model.rope_tables(canvas.positions), canvas.key_mask, fresh, 0)
+        model.layers[0](model.embed(canvas.tokens), *model.rope_tables(canvas.positions), canvas.key_mask, fresh,
+                        Rows(slice(0, n)), 0)
     last = torch.zeros(B, n, dtype=torch.bool)
     for row, commits in enumerate(trace[-1]["commits"]):
         last[row, [c["position"] for c in commits]] = True
@@ -155,7 +155,8 @@ class PlanRecorder:
         def recording_plan(kv, request):
             tracked = kv.tracked.any(0).clone()
             rows = plan(kv, request)
-            self.steps.append((tracked, request.canvas.tokens.clone(), request.lo, request.hi, rows, kv.valid))
+            self.steps.append((tracked, request.canvas.tokens.clone(), request.lo, request.hi, rows.index,
+                               rows.valid))
             return rows
         self.cache.plan = recording_plan
 
