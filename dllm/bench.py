@@ -23,16 +23,18 @@ def random_prompts(model, batch_size: int, prompt_length: int, seed: int) -> lis
 
 
 def bench(model, sampler, cache, gen_length: int, block_length: int, steps: int | None = None,
-          batch_size: int = 1, prompt_length: int = 64, repeats: int = 3, seed: int = 0, callback=None) -> dict:
-    """`callback` is passed to every `decode` (progress)."""
+          batch_size: int = 1, prompt_length: int = 64, repeats: int = 3, seed: int = 0, callback=None,
+          compile: bool = False) -> dict:
+    """`callback` is passed to every `decode` (progress); `compile` runs the model compiled (the warm-up run
+    compiles it)."""
     prompts = random_prompts(model, batch_size, prompt_length, seed)
     device = model.device
-    decode(model, prompts, sampler, cache, block_length, block_length, None, seed, stop_early=False,
-           callback=callback)  # warm-up
+    decode(model, prompts, sampler, cache, gen_length, block_length, steps, seed, stop_early=False,
+           callback=callback, compile=compile)  # warm-up (and compilation: every shape of the timed runs)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     runs = [decode(model, prompts, sampler, cache, gen_length, block_length, steps, seed, stop_early=False,
-                   profile=True, callback=callback)[1] for _ in range(repeats)]
+                   profile=True, callback=callback, compile=compile)[1] for _ in range(repeats)]
     stats = sorted(runs, key=lambda s: s.seconds)[len(runs) // 2]
     length = prompt_length + gen_length
     rows = sum(stats.rows_per_layer) / len(stats.rows_per_layer)
@@ -41,7 +43,7 @@ def bench(model, sampler, cache, gen_length: int, block_length: int, steps: int 
         "model": {"arch": cfg.arch, "parameters": cfg.num_parameters(), "dtype": str(model.dtype).removeprefix("torch.")},
         "config": {"sampler": sampler.config(), "cache": cache.config(), "gen_length": gen_length,
                    "block_length": block_length, "steps": steps, "batch_size": batch_size,
-                   "prompt_length": prompt_length, "repeats": repeats},
+                   "prompt_length": prompt_length, "repeats": repeats, "compile": compile},
         "seconds": stats.seconds,
         "nfe": stats.nfe,
         "tpf": stats.tpf,

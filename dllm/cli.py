@@ -42,6 +42,8 @@ def _add_decoding_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=None, help="total steps (default: gen-length)")
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile", action="store_true",
+                   help="run the model under torch.compile (caches none, prefix, dual; compiling takes a while)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap prompts in the chat template (default: when the tokenizer has one)")
 
@@ -110,7 +112,7 @@ def _generate(args) -> int:
     lengths = decoding_lengths(model, args.gen_length, args.block_length, args.steps)
     with _progress(args, len(prompts) * lengths["gen_length"], "generate") as bar:
         out = dllm.generate(model, tok, prompts, sampler=sampler, cache=cache, **lengths, seed=args.seed,
-                            chat=args.chat, trace=args.trace is not None,
+                            chat=args.chat, trace=args.trace is not None, compile=args.compile,
                             callback=lambda info: bar.update(info["committed"]))
     if args.trace:
         _write_atomically(args.trace, "".join(json.dumps(record) + "\n" for record in out.trace))
@@ -148,7 +150,8 @@ def _chat(args) -> int:
             break
         messages = [*messages, {"role": "user", "content": line}] if history else [{"role": "user", "content": line}]
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        answer = dllm.generate(model, tok, [text], sampler, cache, **lengths, seed=args.seed, chat=False).texts[0]
+        answer = dllm.generate(model, tok, [text], sampler, cache, **lengths, seed=args.seed, chat=False,
+                               compile=args.compile).texts[0]
         messages.append({"role": "assistant", "content": answer})
         print(answer, flush=True)
     return 0
@@ -193,7 +196,8 @@ def _run_eval(args) -> int:
         device = f"cuda:{state.local_process_index}" if args.device == "cuda" else args.device  # one GPU each
         model, tok = dllm.load(args.model, device=device, dtype=args.dtype)
         decode_args = dict(**decoding_lengths(model, args.gen_length, args.block_length, args.steps),
-                           seed=args.seed, chat=args.chat, model_name=args.model, **data_args)
+                           seed=args.seed, chat=args.chat, model_name=args.model, compile=args.compile,
+                           **data_args)
         if args.sweep:
             if not args.output:
                 raise DllmError("--sweep needs --output DIR (one folder per point, sweep.json, pareto.png)")
@@ -232,11 +236,11 @@ def _bench(args) -> int:
     sampler, cache = _policies(args)
     model, _ = dllm.load(args.model, device=args.device, dtype=args.dtype)
     lengths = decoding_lengths(model, args.gen_length, args.block_length, args.steps)
-    total = args.batch_size * (lengths["block_length"] + args.repeats * lengths["gen_length"])  # warm-up + runs
+    total = args.batch_size * (1 + args.repeats) * lengths["gen_length"]  # warm-up + runs
     with _progress(args, total, "bench") as bar:
         result = bench(model, sampler, cache, **lengths, batch_size=args.batch_size,
                        prompt_length=args.prompt_length, repeats=args.repeats, seed=args.seed,
-                       callback=lambda info: bar.update(info["committed"]))
+                       callback=lambda info: bar.update(info["committed"]), compile=args.compile)
     print(json.dumps(result) if args.json else format_result(result), end="\n" if args.json else "")
     return 0
 

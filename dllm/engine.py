@@ -206,12 +206,11 @@ class Runner:
 
 
 def compiled_run(model: DiffusionLM):
-    """`model.run` under `torch.compile(fullgraph=True)`, made once per model; on a GPU with CUDA graphs
-    (`mode="reduce-overhead"`). Shapes that change (prefix's shrinking rows) are compiled dynamic."""
+    """`model.run` under `torch.compile(fullgraph=True)`, made once per model. Shapes that change from call to
+    call (prefix's rows shrinking block by block) are recompiled once as dynamic shapes."""
     run = getattr(model, "_compiled_run", None)
     if run is None:
-        mode = "reduce-overhead" if model.device.type == "cuda" else None
-        run = model._compiled_run = torch.compile(model.run, fullgraph=True, mode=mode)
+        run = model._compiled_run = torch.compile(model.run, fullgraph=True)
     return run
 
 
@@ -459,23 +458,25 @@ def generate(model: DiffusionLM, tokenizer, prompts, sampler: str | Sampler = "l
              steps: int | None = None, seed: int = 0, chat: bool | None = None, stop_early: bool = True,
              trace: bool = False, sampler_args: dict[str, Any] | None = None,
              cache_args: dict[str, Any] | None = None, callback: Callable[[dict], None] | None = None,
-             **params: Any) -> Generation:
+             compile: bool = False, **params: Any) -> Generation:
     """Generate answers for a batch of prompts (strings, or lists of token ids).
 
     `params` go to the sampler or the cache by name (e.g. `threshold=0.9`, `temperature=0.5`,
     `refresh_every=4`); a name both take goes in `sampler_args`/`cache_args`. gen_length and block_length
     default to the model directory's `generation_config.json`, else 64 and 32; steps to gen_length (one token
-    per step for schedule-driven samplers). `callback` is called after every step (see `decode`)."""
+    per step for schedule-driven samplers). `callback` is called after every step (see `decode`). `compile`
+    runs the model under `torch.compile` (caches none, prefix, dual; the first calls compile, minutes on a CPU
+    for a large model)."""
     sampler, cache = split_params(sampler, cache, params, sampler_args, cache_args)
     lengths = decoding_lengths(model, gen_length, block_length, steps)
     check_int("seed", seed)
-    for name, flag in (("stop_early", stop_early), ("trace", trace)):
+    for name, flag in (("stop_early", stop_early), ("trace", trace), ("compile", compile)):
         if not isinstance(flag, bool):
             raise DllmError(f"{name} must be True or False, got {flag!r}")
     ids = encode_prompts(tokenizer, prompts, chat)
     sampler.prepare(tokenizer)
     canvas, stats, steps_trace = decode(model, ids, sampler, cache, **lengths, seed=seed, stop_early=stop_early,
-                                        trace=trace, callback=callback)
+                                        trace=trace, callback=callback, compile=compile)
     cfg = model.config
     token_ids, texts = [], []
     for row in canvas.tokens[:, canvas.prompt_length:].tolist():

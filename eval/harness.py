@@ -35,7 +35,8 @@ def evaluate(model, tokenizer, task: str, sampler: str | Any = "low_confidence",
              limit: int | None = None, batch_size: int = 16, output: str | Path | None = None, seed: int = 0,
              chat: bool | None = None,
              sampler_args: dict | None = None, cache_args: dict | None = None, model_name: str = "",
-             data: str | Path | None = None, num_fewshot: int | None = None, gold: bool = False) -> dict[str, Any]:
+             data: str | Path | None = None, num_fewshot: int | None = None, gold: bool = False,
+             compile: bool = False) -> dict[str, Any]:
     """Decode every item of `task` (or, with `gold`, take its reference solutions), score it and write
     `output/results.jsonl` and `output/summary.json`. Returns the summary."""
     from accelerate import PartialState
@@ -57,7 +58,8 @@ def evaluate(model, tokenizer, task: str, sampler: str | Any = "low_confidence",
         gen_length, block_length, steps = decoding_lengths(model, gen_length, block_length, steps).values()
         _check_context(model, tokenizer, items, chat, gen_length, shots)
         config.update(model=model_name, sampler=sampler.config(), cache=cache.config(), gen_length=gen_length,
-                      block_length=block_length, steps=steps, seed=seed, chat=chat, dtype=str(model.dtype))
+                      block_length=block_length, steps=steps, seed=seed, chat=chat, dtype=str(model.dtype),
+                      compile=compile)
 
     state = PartialState(cpu=model is None or model.device.type != "cuda")
     rank, world = state.process_index, state.num_processes
@@ -87,7 +89,7 @@ def evaluate(model, tokenizer, task: str, sampler: str | Any = "low_confidence",
                 texts, lengths, stats = [it.gold for it in batch], [0] * len(batch), None
             else:
                 texts, lengths, stats = _decode_batch(model, tokenizer, batch, sampler, cache, gen_length,
-                                                      block_length, steps, seed, chat)
+                                                      block_length, steps, seed, chat, compile)
             missing = [(i, it) for i, it in enumerate(batch) if it.id not in records]
             scores = scorer.map(lambda pair: spec.score(pair[1], texts[pair[0]]), missing)
             for (i, it), score in zip(missing, scores):
@@ -148,10 +150,10 @@ def _check_context(model, tokenizer, items: list[Item], chat: bool, gen_length: 
 
 
 def _decode_batch(model, tokenizer, batch: list[Item], sampler, cache, gen_length, block_length, steps, seed,
-                  chat) -> tuple[list[str], list[int], Any]:
+                  chat, compile) -> tuple[list[str], list[int], Any]:
     """Generated texts, their token counts (up to the first stop token) and the batch statistics."""
     out = generate(model, tokenizer, [it.prompt for it in batch], sampler, cache, gen_length, block_length, steps,
-                   seed, chat)
+                   seed, chat, compile=compile)
     return out.texts, [len(ids) for ids in out.token_ids], out.stats
 
 

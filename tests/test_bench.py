@@ -36,9 +36,9 @@ def test_cli_bench_json(capsys):
 
 @pytest.mark.parametrize("tty,json_flag,bar", [(True, False, True), (True, True, False), (False, False, False)])
 def test_progress_bar_only_on_a_terminal_without_json(tty, json_flag, bar, capsys, monkeypatch):
-    """The bar's total is every token committed (warm-up block + timed runs); off with --json or when piped."""
+    """The bar's total is every token committed (warm-up run + timed runs); off with --json or when piped."""
     monkeypatch.setattr("sys.stderr.isatty", lambda: tty, raising=False)
     main(["bench", "--model", "random:llada-tiny", "--gen-length", "16", "--block-length", "8", "--prompt-length",
           "8", "--repeats", "2", "--batch-size", "2"] + ["--json"] * json_flag)
     err = capsys.readouterr().err
-    assert ("bench:" in err and "/80 [" in err) == bar  # 2 rows x (8 warm-up + 2 x 16) tokens
+    assert ("bench:" in err and "/96 [" in err) == bar  # 2 rows x (16 warm-up + 2 x 16) tokens

@@ -1,0 +1,62 @@
+"""The compiled forward (`--compile`): one graph with no breaks for the caches whose rows are slices, the same
+tokens as the eager loop, and a clear refusal for the caches that pick rows token by token."""
+import pytest
+import torch
+from conftest import random_model
+
+import dllm
+from dllm import cache as caches
+from dllm.cache.base import gather_rows
+from dllm.engine import Canvas
+from dllm.errors import DllmError
+from dllm.models import Rows
+
+PROMPTS = [[5, 6, 7, 8], [9, 10]]
+
+
+@pytest.mark.parametrize("preset", ["llada-tiny", "dream-tiny"])
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+def test_the_block_step_is_one_graph(preset, cache):
+    """What `Runner` hands the compiled `model.run` (rows as a position tensor, the logit rows as a tensor)
+    traces to one graph, padded batch included; the compiled call then gives the eager logits."""
+    model = random_model(preset)
+    canvas = Canvas.build(model, PROMPTS, 16)
+    B, L = canvas.tokens.shape
+    s, shift = canvas.prompt_length, model.config.logit_shift
+    kv = caches.CACHES.create(cache).new_kv(model, B, L)
+    block = {"none": (0, L), "prefix": (s - shift, L), "dual": (s - shift, s + 8)}[cache]
+    rows = Rows(torch.arange(*block))
+    key_mask = canvas.key_mask if kv.nbytes else canvas.key_mask[..., rows.index]
+    args = (gather_rows(canvas.tokens, rows), gather_rows(canvas.positions, rows), key_mask, kv, rows,
+            torch.arange(s - shift - block[0], s - shift - block[0] + 8).expand(B, -1))
+    with torch.no_grad():
+        model.run(canvas.tokens, canvas.positions, canvas.key_mask, kv)  # a refresh fills the store
+        explained = torch._dynamo.explain(model.run)(*args)
+        assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+        want = model.run(*args)
+        got = torch.compile(model.run, fullgraph=True, backend="aot_eager")(*args)
+    assert (got - want).abs().max() < 1e-5
+
+
+@pytest.fixture(scope="module")
+def tiny_llada():
+    return dllm.load("tiny-llada")
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+def test_compiled_decoding_gives_the_eager_tokens(tiny_llada, cache):
+    """Inductor-compiled, on the shipped model, a padded batch: the same tokens and forwards as eager."""
+    model, tok = tiny_llada
+    prompts = ["reverse: hello123", "copy: ab"]
+    want = dllm.generate(model, tok, prompts, "threshold", cache, stop_early=False)
+    got = dllm.generate(model, tok, prompts, "threshold", cache, stop_early=False, compile=True)
+    assert torch.equal(got.sequences, want.sequences)
+    assert got.stats.nfe == want.stats.nfe and got.stats.rows_per_layer == want.stats.rows_per_layer
+
+
+@pytest.mark.parametrize("cache", ["dkv", "elastic"])
+def test_caches_that_pick_rows_token_by_token_refuse_compile(tiny_llada, cache):
+    model, tok = tiny_llada
+    with pytest.raises(DllmError, match=f"cache '{cache}' chooses its rows token by token and runs eagerly; "
+                                        "drop --compile"):
+        dllm.generate(model, tok, "copy: ab", cache=cache, compile=True)
