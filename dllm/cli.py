@@ -182,7 +182,8 @@ def _run_eval(args) -> int:
 
     get_task(args.task)
     state = PartialState(cpu=args.device == "cpu")  # data-parallel over CPU processes too (gloo)
-    data_args = dict(limit=args.limit, batch_size=args.batch_size, data=args.data, num_fewshot=args.num_fewshot)
+    data_args = dict(limit=args.limit, batch_size=args.batch_size, data=args.data, num_fewshot=args.num_fewshot,
+                     unsafe_exec=args.unsafe_exec)
     if args.gold:
         if args.sweep:
             raise DllmError("--gold scores the references without a model; drop --sweep")
@@ -298,6 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--sweep", action="append", default=[], metavar="KEY=VALUE[,...]",
                    help="a configuration to add to a sweep, e.g. sampler=threshold,threshold=0.9 (repeat)")
     e.add_argument("--json", action="store_true", help="print the summary as JSON")
+    e.add_argument("--unsafe-exec", action="store_true",
+                   help="run generated code without the bubblewrap sandbox (a plain guarded process: contains "
+                        "mistakes, not hostile code); only where bwrap cannot be installed")
     e.set_defaults(run=_eval)
     b = sub.add_parser("bench", help="time one sampler/cache: ms per forward by kind, tokens/s, rows computed")
     _add_decoding_flags(b)

@@ -277,7 +277,7 @@ def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache
         step, reused = 0, None  # reused: (window, logits) of a verified draft the sampler committed
         more = bool(open_masks(start, end))
         while more:
-            counted = list(kv.rows_per_layer)
+            counted = list(kv.rows_per_layer) if trace else None
             lo, hi, rows = plan(step, start, end)
             logits = reused[1] if reused is not None and reused[0] == (lo, hi) else runner.forward(lo, hi, rows)
             masked = (canvas.tokens[:, lo:hi] == cfg.mask_id) & ~finished[:, None]
@@ -306,11 +306,10 @@ def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache
             commit = out.mask & masked
             stalled = (ctx.eligible.any(1) & ~(commit & ctx.eligible).any(1)).any()
             canvas.tokens[:, lo:hi] = torch.where(commit, out.tokens, canvas.tokens[:, lo:hi])
-            diverged = torch.zeros((), dtype=torch.bool, device=model.device)
-            reused = None
+            checks, reused = [stalled], None
             if out.verified is not None:
                 draft, draft_logits = runner.adopt(out.verified)
-                diverged = (draft != canvas.tokens[:, lo:hi]).any()
+                checks.append((draft != canvas.tokens[:, lo:hi]).any())  # the draft differs from the commits
                 reused = ((lo, hi), draft_logits)
             committed += commit.sum()
             if trace:
@@ -320,11 +319,11 @@ def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache
                 finished = _finish_rows(canvas, finished, cfg)
             if callback is not None:
                 callback({"block": block, "step": step, "committed": int(commit.sum())})
-            more, stalled, diverged = torch.stack((open_masks(start, end), stalled, diverged)).tolist()  # one sync
+            more, stalled, *diverged = torch.stack([open_masks(start, end), *checks]).tolist()  # one device wait
             if stalled:
                 raise DllmError(f"sampler {sampler.name!r} committed nothing for an unfinished row at block "
                                 f"{block} step {step}; a sampler must commit at least one position per row")
-            if diverged:
+            if any(diverged):
                 raise DllmError("a sampler returned a verified draft that differs from its commits; commit exactly "
                                 "the chosen draft")
             step += 1

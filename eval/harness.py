@@ -36,12 +36,14 @@ def evaluate(model, tokenizer, task: str, sampler: str | Any = "low_confidence",
              chat: bool | None = None,
              sampler_args: dict | None = None, cache_args: dict | None = None, model_name: str = "",
              data: str | Path | None = None, num_fewshot: int | None = None, gold: bool = False,
-             compile: bool = False) -> dict[str, Any]:
+             compile: bool = False, unsafe_exec: bool = False) -> dict[str, Any]:
     """Decode every item of `task` (or, with `gold`, take its reference solutions), score it and write
-    `output/results.jsonl` and `output/summary.json`. Returns the summary."""
+    `output/results.jsonl` and `output/summary.json`. Returns the summary. Code tasks run each program in an
+    isolated sandbox (`sandbox`), or with `unsafe_exec` in a plain guarded process."""
     from accelerate import PartialState
 
     spec = get_task(task)
+    score_text = spec.scorer(unsafe_exec)  # fails before any work when code cannot run isolated
     check_int("batch_size", batch_size, 1)
     if limit is not None:
         check_int("limit", limit, 1)
@@ -91,7 +93,7 @@ def evaluate(model, tokenizer, task: str, sampler: str | Any = "low_confidence",
                 texts, lengths, stats = _decode_batch(model, tokenizer, batch, sampler, cache, gen_length,
                                                       block_length, steps, seed, chat, compile)
             missing = [(i, it) for i, it in enumerate(batch) if it.id not in records]
-            scores = scorer.map(lambda pair: spec.score(pair[1], texts[pair[0]]), missing)
+            scores = scorer.map(lambda pair: score_text(pair[1], texts[pair[0]]), missing)
             for (i, it), score in zip(missing, scores):
                 rec = _record(it, texts[i], score, lengths[i], stats, len(batch))
                 records[it.id] = rec

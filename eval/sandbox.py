@@ -1,15 +1,26 @@
-"""Run generated Python and its tests in a contained child process.
+"""Run generated Python and its tests isolated by the operating system.
 
-The child is a fresh isolated interpreter (`python -I -B`) with a clean environment, its own session (so a
-timeout kills its whole process group), a temporary working directory, limits on address space, CPU time
-and file size, and an audit hook that refuses writes outside the temporary directory and the start of other
-processes. This contains mistakes of generated code; it is not a security boundary against hostile code.
+Each program runs under bubblewrap (`bwrap`) in new PID, mount, network, IPC, UTS and cgroup namespaces. Its
+root is empty but for /usr and the Python installation, bound read-only; a private tmpfs of `TMPFS_MB` at /tmp
+is its working directory and the only writable place; `/proc` shows its own PID namespace only; the
+environment is empty; it runs as uid 65534 with no capabilities and no new privileges (as root, bwrap sets up
+the namespaces and `setpriv` drops to 65534; otherwise an unprivileged user namespace maps the caller to 65534
+and forbids further ones). Limits on address space, CPU time, file size and processes apply inside. The
+wall-clock timeout kills bwrap, whose namespace init then dies and takes every process of the namespace with
+it (setsid or not); the namespace also ends as soon as the program exits. stderr goes to a file capped by the
+file-size limit, so nothing the program leaves behind can hold the scorer.
+
+Without a working bwrap nothing runs unless `unsafe=True` (`dllm eval --unsafe-exec`): the program then runs
+in a plain child process with the same limits and an audit hook against writes outside its directory and new
+processes, which contains mistakes of generated code but is no boundary against hostile code.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,18 +28,32 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from dllm.errors import DllmError
+
 TIMEOUT_SECONDS = 10.0
 MEMORY_MB = 1024
 MAX_FILE_MB = 16
+TMPFS_MB = 64
+MAX_PROCESSES = 64  # per uid: every sandbox together
+NOBODY = 65534
+STDERR_TAIL = 4096  # bytes of stderr read back (the exception is its last line)
+INSTALL_HINT = ("install bubblewrap (Debian/Ubuntu: apt-get install -y bubblewrap; Fedora: dnf install bubblewrap), "
+                "or pass --unsafe-exec (unsafe_exec=True) to run it in a plain process that contains mistakes but "
+                "not hostile code")
 
-# Runs in the child before the program: limits, then the write guard, then the program as __main__.
-_PREAMBLE = r"""
-import os, resource, sys
-tmp, memory, cpu, fsize = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+_LIMITS = r"""
+import resource, sys
+memory, cpu, fsize, nproc = map(int, sys.argv[1:5])
 for limit, value in ((resource.RLIMIT_AS, memory), (resource.RLIMIT_CPU, cpu), (resource.RLIMIT_FSIZE, fsize),
-                     (resource.RLIMIT_CORE, 0)):
+                     (resource.RLIMIT_CORE, 0)) + (((resource.RLIMIT_NPROC, nproc),) if nproc else ()):
     resource.setrlimit(limit, (value, value))
-root = os.path.realpath(tmp)
+del resource
+"""
+
+# --unsafe-exec only: refuse writes outside the working directory and new processes (an audit hook).
+_GUARD = r"""
+import os
+root = os.path.realpath(os.getcwd())
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 PATH_EVENTS = {"os.remove", "os.rmdir", "os.rename", "os.mkdir", "os.chmod", "os.chown", "os.link", "os.symlink",
                "os.truncate", "os.utime", "shutil.rmtree", "shutil.copyfile", "shutil.copytree", "shutil.move"}
@@ -53,9 +78,12 @@ def guard(event, args):
         raise PermissionError(f"sandbox: {event} is not allowed")
 
 sys.addaudithook(guard)
-del resource, guard
+del guard
+"""
+
+_RUN = r"""
 sys.argv = ["program.py"]
-with open("program.py") as f:
+with open(PROGRAM) as f:
     source = f.read()
 exec(compile(source, "program.py", "exec"), {"__name__": "__main__"})
 """
@@ -68,24 +96,102 @@ class Outcome:
     detail: str  # last line of the child's stderr (the exception), empty when passed
 
 
-def run_python(source: str, timeout: float = TIMEOUT_SECONDS, memory_mb: int = MEMORY_MB) -> Outcome:
+def _python() -> tuple[str, list[str]]:
+    """This interpreter's real path and the folders it needs outside /usr."""
+    python = os.path.realpath(sys.executable)
+    needed = {os.path.realpath(sys.base_prefix), os.path.dirname(python)}
+    return python, sorted(p for p in needed if not (p == "/usr" or p.startswith("/usr/")))
+
+
+def _bwrap_command(program_dir: str) -> list[str]:
+    python, folders = _python()
+    cmd = ["bwrap", "--die-with-parent", "--new-session", "--unshare-ipc", "--unshare-pid", "--unshare-net",
+           "--unshare-uts", "--unshare-cgroup-try", "--hostname", "sandbox", "--ro-bind", "/usr", "/usr"]
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
+        if os.path.islink(top):
+            cmd += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            cmd += ["--ro-bind", top, top]
+    for folder in folders:
+        cmd += ["--ro-bind", folder, folder]
+    cmd += ["--ro-bind", program_dir, "/sandbox", "--proc", "/proc", "--dev", "/dev",
+            "--perms", "1777", "--size", str(TMPFS_MB << 20), "--tmpfs", "/tmp", "--chdir", "/tmp", "--clearenv",
+            "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp", "--setenv", "TMPDIR", "/tmp",
+            "--setenv", "LANG", "C.UTF-8", "--setenv", "OMP_NUM_THREADS", "1"]
+    if os.geteuid() == 0:  # bwrap runs privileged; drop to nobody for the program
+        setpriv = shutil.which("setpriv", path="/usr/bin:/bin")
+        if setpriv is None:
+            raise DllmError("the sandbox needs setpriv (util-linux) to drop root privileges; install util-linux")
+        return cmd + ["--", setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+                      "--inh-caps=-all", "--bounding-set=-all", "--", python]
+    return cmd + ["--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY), "--disable-userns",
+                  "--cap-drop", "ALL", "--", python]
+
+
+@functools.cache
+def isolation_problem() -> str | None:
+    """Why programs cannot be isolated here (None when they can): bwrap missing, or failing to start."""
+    if shutil.which("bwrap") is None:
+        return "bubblewrap (bwrap) is not installed"
+    outcome = _run_isolated("import sys; sys.exit(0 if sys.version_info else 1)", 10.0, MEMORY_MB)
+    return None if outcome.passed else f"bwrap cannot start a sandbox here ({outcome.detail})"
+
+
+def check(unsafe: bool = False) -> None:
+    """Raise a one-line error naming the fix when generated code cannot run isolated and `unsafe` is off."""
+    problem = None if unsafe else isolation_problem()
+    if problem is not None:
+        raise DllmError(f"generated code runs only in an isolated sandbox, but {problem}; {INSTALL_HINT}")
+
+
+def run_python(source: str, timeout: float = TIMEOUT_SECONDS, memory_mb: int = MEMORY_MB,
+               unsafe: bool = False) -> Outcome:
     """Run `source` as a program; it passes when it exits with status 0 within `timeout` seconds."""
+    check(unsafe)
+    return _run_guarded(source, timeout, memory_mb) if unsafe else _run_isolated(source, timeout, memory_mb)
+
+
+def _limits(timeout: float, memory_mb: int, processes: int) -> list[str]:
+    return [str(memory_mb << 20), str(math.ceil(timeout) + 1), str(MAX_FILE_MB << 20), str(processes)]
+
+
+def _run_isolated(source: str, timeout: float, memory_mb: int) -> Outcome:
+    with tempfile.TemporaryDirectory(prefix="dllm-sandbox-") as host_dir:
+        program = Path(host_dir, "program.py")
+        program.write_text(source)
+        os.chmod(host_dir, 0o755)  # readable by the sandbox's uid
+        os.chmod(program, 0o644)
+        preamble = _LIMITS + "PROGRAM = '/sandbox/program.py'\n" + _RUN
+        cmd = _bwrap_command(host_dir) + ["-I", "-S", "-B", "-c", preamble, *_limits(timeout, memory_mb,
+                                                                                   MAX_PROCESSES)]
+        return _wait(cmd, None, {}, timeout)
+
+
+def _run_guarded(source: str, timeout: float, memory_mb: int) -> Outcome:
     with tempfile.TemporaryDirectory(prefix="dllm-sandbox-") as tmp:
         Path(tmp, "program.py").write_text(source)
         env = {"PATH": os.defpath, "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1"}
-        limits = [str(memory_mb << 20), str(math.ceil(timeout) + 1), str(MAX_FILE_MB << 20)]
-        proc = subprocess.Popen([sys.executable, "-I", "-B", "-c", _PREAMBLE, tmp, *limits], cwd=tmp, env=env,
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                start_new_session=True)
+        preamble = _LIMITS + _GUARD + "PROGRAM = 'program.py'\n" + _RUN
+        cmd = [sys.executable, "-I", "-B", "-c", preamble, *_limits(timeout, memory_mb, 0)]
+        return _wait(cmd, tmp, env, timeout)
+
+
+def _wait(cmd: list[str], cwd: str | None, env: dict[str, str], timeout: float) -> Outcome:
+    """Run `cmd` in its own session with stderr in a file; kill the session at `timeout`."""
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=err, start_new_session=True)
         try:
-            _, err = proc.communicate(timeout=timeout)
+            proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+            proc.wait()
             return Outcome(False, "timeout", f"no exit within {timeout:g} s")
-    if proc.returncode == 0:
-        return Outcome(True, "passed", "")
-    lines = err.decode(errors="replace").strip().splitlines()
-    reason = lines[-1] if lines else f"killed by signal {-proc.returncode}" if proc.returncode < 0 else ""
+        if proc.returncode == 0:
+            return Outcome(True, "passed", "")
+        err.seek(max(0, err.seek(0, os.SEEK_END) - STDERR_TAIL))
+        lines = err.read().decode(errors="replace").strip().splitlines()
+    reason = lines[-1] if lines else f"killed by signal {-proc.returncode}" if proc.returncode < 0 else \
+        f"exit status {proc.returncode}"
     return Outcome(False, "failed", reason[:300])

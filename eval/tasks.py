@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 from dllm.errors import DllmError
@@ -30,8 +31,16 @@ class Item:
 @dataclass(frozen=True)
 class Task:
     load: Callable[[str | None, int], tuple[list[Item], str]]  # (data file, few-shot count) -> items, source
-    score: Callable[[Item, str], Scores]
+    score: Callable[..., Scores]  # (item, text) -> scores; with `runs_code`, also `unsafe_exec`
     default_fewshot: int = 0
+    runs_code: bool = False  # scoring executes the generated program (in `sandbox`)
+
+    def scorer(self, unsafe_exec: bool = False) -> Callable[[Item, str], Scores]:
+        """`score` for one evaluation; a code task's programs run isolated unless `unsafe_exec`."""
+        if not self.runs_code:
+            return self.score
+        sandbox.check(unsafe_exec)
+        return partial(self.score, unsafe_exec=unsafe_exec)
 
 
 def _cut(text: str, stops: tuple[str, ...]) -> str:
@@ -146,8 +155,8 @@ def _fenced(text: str) -> str | None:
     return m[1] if m else None
 
 
-def _run_tests(item: Item, code: str) -> bool:
-    return sandbox.run_python(f"{item.setup}{code}\n\n{item.reference}").passed
+def _run_tests(item: Item, code: str, unsafe_exec: bool) -> bool:
+    return sandbox.run_python(f"{item.setup}{code}\n\n{item.reference}", unsafe=unsafe_exec).passed
 
 
 def _humaneval_items(data: str | None, k: int) -> tuple[list[Item], str]:
@@ -159,11 +168,11 @@ def _humaneval_items(data: str | None, k: int) -> tuple[list[Item], str]:
     return items, source
 
 
-def _humaneval_score(item: Item, text: str) -> Scores:
+def _humaneval_score(item: Item, text: str, unsafe_exec: bool = False) -> Scores:
     """A fenced block is a whole program (appended after the prompt); plain text completes the prompt."""
     block = _fenced(text)
     code = "\n" + block if block is not None else _cut(text, HUMANEVAL_STOPS)
-    return {"pass@1": (code, _run_tests(item, code))}
+    return {"pass@1": (code, _run_tests(item, code, unsafe_exec))}
 
 
 def _mbpp_query(row: dict) -> str:
@@ -184,19 +193,19 @@ def _mbpp_items(data: str | None, k: int) -> tuple[list[Item], str]:
     return items, source
 
 
-def _mbpp_score(item: Item, text: str) -> Scores:
+def _mbpp_score(item: Item, text: str, unsafe_exec: bool = False) -> Scores:
     text = _cut(text, MBPP_STOPS)
     block = _fenced(text)
     code = block if block is not None else text.replace("[BEGIN]", "")
-    return {"pass@1": (code, _run_tests(item, code))}
+    return {"pass@1": (code, _run_tests(item, code, unsafe_exec))}
 
 
 TASKS: dict[str, Task] = {
     "synthetic": Task(_synthetic_items, _synthetic_score),
     "gsm8k": Task(_gsm8k_items, _gsm8k_score, default_fewshot=5),
     "math500": Task(_math_items, _math_score),
-    "humaneval": Task(_humaneval_items, _humaneval_score),
-    "mbpp": Task(_mbpp_items, _mbpp_score, default_fewshot=3),
+    "humaneval": Task(_humaneval_items, _humaneval_score, runs_code=True),
+    "mbpp": Task(_mbpp_items, _mbpp_score, default_fewshot=3, runs_code=True),
 }
 
 

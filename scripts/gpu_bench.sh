@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU table of BENCHMARKS.md in one command: `dllm bench` on random:llada-8b in bf16, caches none and dual,
-# batch 1 and 8; ms per full and per cached (32-row) forward against the weight-read floor (the bf16 weights
-# read once per forward at the HBM bandwidth of the card). About 5 minutes on an H100.
+# batch 1 and 8, eager and --compile; ms per full and per cached (32-row) forward against the weight-read floor
+# (the bf16 weights read once per forward at the HBM bandwidth of the card). COMPILE=0 skips the compiled runs.
 #
 #   scripts/gpu_bench.sh                         # writes runs/gpu-bench/*.json and prints the Markdown table
 #   MODEL=random:llada-tiny DEVICE=cpu DTYPE=float32 GEN=64 scripts/gpu_bench.sh   # a dry run without a GPU
@@ -11,11 +11,19 @@ DEVICE=${DEVICE:-cuda}
 DTYPE=${DTYPE:-bfloat16}
 GEN=${GEN:-256}
 OUT=${OUT:-runs/gpu-bench}
+COMPILE=${COMPILE:-1}
 mkdir -p "$OUT"
-for cache in none dual; do
-  for batch in 1 8; do
-    dllm bench --model "$MODEL" --device "$DEVICE" --dtype "$DTYPE" --sampler low_confidence --cache "$cache" \
-      --gen-length "$GEN" --block-length 32 --batch-size "$batch" --repeats 2 --json > "$OUT/$cache-b$batch.json"
+modes="eager"
+[ "$COMPILE" = 1 ] && modes="eager compile"
+for mode in $modes; do
+  flag=""
+  [ "$mode" = compile ] && flag="--compile"
+  for cache in none dual; do
+    for batch in 1 8; do
+      dllm bench --model "$MODEL" --device "$DEVICE" --dtype "$DTYPE" --sampler low_confidence --cache "$cache" \
+        --gen-length "$GEN" --block-length 32 --batch-size "$batch" --repeats 2 $flag --json \
+        > "$OUT/$mode-$cache-b$batch.json"
+    done
   done
 done
 python - "$OUT" <<'EOF'
@@ -32,14 +40,15 @@ for path in sorted(Path(sys.argv[1]).glob("*.json")):
     floor = 1000 * weight_bytes / BANDWIDTH[card] if card else None
     ms = r["ms_per_forward"]
     cached = ms.get("cached")
-    rows.append(f"| {r['config']['cache']['name']} | {r['config']['batch_size']} | {ms['full']:.2f} | "
+    mode = "compile" if r["config"].get("compile") else "eager"
+    rows.append(f"| {r['config']['cache']['name']} | {mode} | {r['config']['batch_size']} | {ms['full']:.2f} | "
                 + (f"{cached:.2f}" if cached else "-") + " | "
                 + (f"{floor:.2f} | {(cached or ms['full']) / floor:.2f}x" if floor else "- | -")
                 + f" | {r['tokens_per_second']:.0f} | {r['peak_mb']:.0f} |")
 print(f"{r['model']['arch']} {r['model']['parameters'] / 1e9:.2f}B {r['model']['dtype']} on {r['device']}, "
       f"gen {r['config']['gen_length']}, block 32\n")
-print("| cache | batch | ms per full forward | ms per cached forward | weight-read floor ms | cached (or full) / floor "
-      "| tokens/s | peak MB |")
-print("|---|---|---|---|---|---|---|---|")
+print("| cache | mode | batch | ms per full forward | ms per cached forward | weight-read floor ms "
+      "| cached (or full) / floor | tokens/s | peak MB |")
+print("|---|---|---|---|---|---|---|---|---|")
 print("\n".join(rows))
 EOF
