@@ -1,4 +1,5 @@
-"""The lm-evaluation-harness model `dllm`: lm-eval's generate_until tasks with any model, sampler and cache.
+"""The lm-evaluation-harness model `dllm`: any model, sampler and cache on lm-eval's generative and likelihood
+tasks.
 
     python -m dllm.eval.lm_eval_model --model dllm --tasks gsm8k --batch_size 8 --model_args \\
         model=/path/to/LLaDA-8B-Instruct,sampler=threshold,threshold=0.9,cache=dual,gen_length=256,device=cuda
@@ -6,11 +7,24 @@
 The command line is lm-eval's own (`pip install 'dllm-fast[lm-eval]'`); lm-eval only finds models that are
 imported, so this module registers `dllm` first. From Python: `import dllm.eval.lm_eval_model`, then
 `lm_eval.simple_evaluate(model="dllm", model_args=...)`. Sampler and cache parameters go in `--model_args` by
-name. The answer is generated over `gen_length` tokens and cut at the request's `until` strings; loglikelihood
-requests are not supported.
+name.
+
+- generate_until: the answer canvas is the request's `max_gen_toks` rounded up to whole blocks (else
+  `gen_length`), the answer cut at `max_gen_toks` tokens and at the first `until` string. Requests are decoded
+  longest first in batches of `batch_size`.
+- loglikelihood: the Monte Carlo ELBO of `dllm.likelihood` with `mc_num` draws (default 128, LLaDA's setting;
+  cost: `mc_num` rows per continuation, `mc_batch_size` per forward), `cfg` guidance (default 0) and the greedy
+  check (`greedy_check`, one forward per continuation token; off saves them and reports False).
+- loglikelihood_rolling: the ELBO of each `max_length` window of the text with no context (a bound, per window).
+- Under `accelerate launch` each process takes its share of the requests (lm-eval splits them by `rank`).
+- A `device=cuda` (lm-eval's default) without a GPU falls back to the CPU with a one-line notice.
 """
 from __future__ import annotations
 
+import math
+import sys
+
+import torch
 from tqdm import tqdm
 
 from dllm.errors import DllmError
@@ -22,44 +36,142 @@ except ImportError:  # optional extra: the class still answers plain request obj
     LM, register_model = object, None
 
 
+def _device(device: str | None) -> str:
+    if device and device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"note: device {device!r} asked for but no GPU is available; running on the CPU", file=sys.stderr)
+        return "cpu"
+    return device or "cpu"
+
+
 class DllmLM(LM):
-    """Answers `generate_until` requests (objects whose `.args` is `(context, {"until": [...], ...})`)."""
+    """Answers lm-eval requests (objects whose `.args` is `(context, {"until": [...], ...})` for generation,
+    `(context, continuation)` for likelihoods, `(text,)` for rolling likelihoods)."""
 
     def __init__(self, model: str = "tiny-llada", sampler: str = "low_confidence", cache: str = "none",
                  gen_length: int | None = None, block_length: int | None = None, steps: int | None = None,
-                 seed: int = 0, device: str = "cpu", dtype: str | None = None, batch_size: int | str = 1,
-                 max_batch_size: int | None = None, **params) -> None:  # lm-eval passes max_batch_size
+                 seed: int = 0, device: str | None = None, dtype: str | None = None, batch_size: int | str = 1,
+                 max_batch_size: int | None = None, mc_num: int = 128, mc_batch_size: int = 32, cfg: float = 0.0,
+                 greedy_check: bool = True, **params) -> None:  # lm-eval passes max_batch_size
         super().__init__()
         import dllm
-        from dllm.engine import decoding_lengths, split_params
+        from accelerate import PartialState
+
+        from dllm.engine import check_int, decoding_lengths, split_params
 
         if not str(batch_size).isdigit() or int(batch_size) < 1:
             raise DllmError(f"batch_size must be a positive integer, got {batch_size!r}")
         self.sampler, self.cache = split_params(sampler, cache, params)
+        device = _device(device)
+        state = PartialState(cpu=device == "cpu")
+        self._rank, self._world_size = state.process_index, state.num_processes
+        if device == "cuda" and self._world_size > 1:
+            device = f"cuda:{state.local_process_index}"
         self.model, self.tokenizer = dllm.load(model, device=device, dtype=dtype)
+        self._device = self.model.device
+        if self._world_size > 1:
+            from accelerate import Accelerator
+
+            self.accelerator = Accelerator(cpu=self._device.type == "cpu")  # lm-eval gathers through it
         self.decoding = dict(**decoding_lengths(self.model, gen_length, block_length, steps), seed=seed)
         self.batch_size = int(batch_size)
+        self.likelihood = dict(mc_num=check_int("mc_num", int(mc_num), 1),
+                               batch_size=check_int("mc_batch_size", int(mc_batch_size), 1),
+                               cfg_scale=float(cfg), seed=seed)
+        self.greedy_check = str(greedy_check).lower() not in ("false", "0", "no")
+
+    def _canvas(self, max_gen_toks: int | None) -> dict:
+        """Decoding lengths for an answer of at most `max_gen_toks` tokens: whole blocks, the same steps per token."""
+        lengths = dict(self.decoding)
+        if max_gen_toks:
+            block, gen, steps = lengths["block_length"], lengths["gen_length"], lengths["steps"]
+            lengths["gen_length"] = new = math.ceil(int(max_gen_toks) / block) * block
+            if steps is not None:
+                blocks = new // block
+                lengths["steps"] = min(new, max(1, round(steps * new / gen / blocks)) * blocks)
+        return lengths
+
+    def _log_share(self, kind: str, requests) -> None:
+        if self._world_size > 1:
+            print(f"dllm: process {self._rank} of {self._world_size} answers {len(requests)} {kind} requests",
+                  file=sys.stderr)
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         import dllm
 
-        answers = []
-        for start in tqdm(range(0, len(requests), self.batch_size), disable=disable_tqdm, desc="dllm"):
-            batch = requests[start:start + self.batch_size]
-            out = dllm.generate(self.model, self.tokenizer, [r.args[0] for r in batch], self.sampler, self.cache,
-                                chat=False, **self.decoding)  # lm-eval applies the chat template itself
-            for request, text in zip(batch, out.texts):
-                until = request.args[1].get("until") or []
-                for stop in [until] if isinstance(until, str) else until:
-                    text = text.split(stop)[0] if stop else text
-                answers.append(text)
+        self._log_share("generate_until", requests)
+
+        answers: list[str | None] = [None] * len(requests)
+        groups: dict[int | None, list[int]] = {}
+        for i, request in enumerate(requests):
+            groups.setdefault(request.args[1].get("max_gen_toks"), []).append(i)
+        bar = tqdm(total=len(requests), disable=disable_tqdm, desc="dllm")
+        for max_gen_toks, members in groups.items():
+            members.sort(key=lambda i: -len(requests[i].args[0]))  # similar lengths batch together
+            lengths = self._canvas(max_gen_toks)
+            for start in range(0, len(members), self.batch_size):
+                batch = members[start:start + self.batch_size]
+                out = dllm.generate(self.model, self.tokenizer, [requests[i].args[0] for i in batch], self.sampler,
+                                    self.cache, chat=False, **lengths)  # lm-eval applies the chat template itself
+                for i, ids in zip(batch, out.token_ids):
+                    ids = ids[:int(max_gen_toks)] if max_gen_toks else ids
+                    text = self.tokenizer.decode([t for t in ids if t < len(self.tokenizer)], skip_special_tokens=True)
+                    until = requests[i].args[1].get("until") or []
+                    for stop in [until] if isinstance(until, str) else until:
+                        text = text.split(stop)[0] if stop else text
+                    answers[i] = text
+                bar.update(len(batch))
+        bar.close()
         return answers
 
-    def loglikelihood(self, requests, disable_tqdm: bool = False):
-        raise DllmError("the dllm model answers generate_until tasks only; choose a generative lm-eval task")
+    def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """Token ids of the context and of the continuation: the whole text's ids split after the context's,
+        or, where the two merge across the boundary (a BPE word with its leading space), split after the
+        context without its trailing spaces, as lm-eval's own models do."""
+        def ids(text: str) -> list[int]:
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
-        raise DllmError("the dllm model answers generate_until tasks only; choose a generative lm-eval task")
+        whole, prefix = ids(context + continuation), ids(context)
+        if whole[:len(prefix)] != prefix:
+            prefix = ids(context.rstrip())
+        room = self.model.config.max_length - (len(whole) - len(prefix))
+        return prefix[max(0, len(prefix) - room):], whole[len(prefix):]
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        from dllm.likelihood import elbo, is_greedy
+
+        self._log_share("loglikelihood", requests)
+        results = []
+        for request in tqdm(requests, disable=disable_tqdm, desc="dllm loglikelihood"):
+            prefix, target = self._encode_pair(*request.args)
+            score = elbo(self.model, prefix, target, **self.likelihood)
+            results.append((score, self.greedy_check and bool(prefix) and is_greedy(self.model, prefix, target)))
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        from dllm.likelihood import elbo
+
+        window = self.model.config.max_length
+        results = []
+        for request in tqdm(requests, disable=disable_tqdm, desc="dllm loglikelihood_rolling"):
+            ids = self.tokenizer(request.args[0], add_special_tokens=False)["input_ids"]
+            results.append(sum(elbo(self.model, [], ids[i:i + window], **self.likelihood)
+                               for i in range(0, len(ids), window)))
+        return results
+
+    def all_gather(self, tensor):
+        """lm-eval's collectives across `accelerate launch` processes (no-ops for one process)."""
+        return self.accelerator.gather(tensor) if self._world_size > 1 else tensor
+
+    def gather_object(self, obj, dst: int = 0):
+        if self._world_size == 1:
+            return [obj]
+        result = [None] * self._world_size if self._rank == dst else None
+        torch.distributed.gather_object(obj=obj, object_gather_list=result, dst=dst)
+        return result
+
+    def barrier(self) -> None:
+        if self._world_size > 1:
+            self.accelerator.wait_for_everyone()
 
     @property
     def tokenizer_name(self) -> str:

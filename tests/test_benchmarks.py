@@ -1,7 +1,7 @@
 """Benchmarks: data resolution, prompts, extraction and scoring (checked on the datasets' own solutions),
 resuming after a kill, data-parallel runs and the lm-eval adapter.
 
-Full gold runs and the lm-eval command line are slow: set DLLM_SLOW_TESTS=1 to run them."""
+Full gold runs are slow: set DLLM_SLOW_TESTS=1 to run them."""
 import gzip
 import json
 import os
@@ -184,13 +184,10 @@ def test_lm_eval_adapter_generate_until():
     requests = [SimpleNamespace(args=(p, {"until": [stop], "max_gen_toks": 16})) for p in prompts]
     assert lm.generate_until(requests) == [t.split(stop)[0] for t in full]
     assert any(stop in t for t in full)
-    with pytest.raises(DllmError, match="generate_until tasks only"):
-        lm.loglikelihood(requests)
     registry = pytest.importorskip("lm_eval.api.registry")
     assert registry.get_model("dllm") is DllmLM
 
 
-@SLOW
 def test_lm_eval_command_line(tmp_path):
     pytest.importorskip("lm_eval")
     (tmp_path / "data.jsonl").write_text("".join(json.dumps({"q": f"copy: ab{i}", "a": f"ab{i}"}) + "\n"
@@ -205,3 +202,56 @@ def test_lm_eval_command_line(tmp_path):
                           "gen_length=16,block_length=8", "--tasks", "tinycopy", "--include_path", str(tmp_path)],
                          cwd=ROOT, env=ONE_THREAD, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and "tinycopy" in run.stdout and "exact_match" in run.stdout, run.stderr[-2000:]
+
+
+def test_lm_eval_likelihood_task_on_cpu_without_device(tmp_path):
+    """A multiple-choice task (loglikelihood requests), no --device on a machine without a GPU."""
+    pytest.importorskip("lm_eval")
+    questions = [("copy: abcd", ["abcd", "abce", "dcba"]), ("reverse: k3x9", ["9x3k", "k3x9", "9x3c"])]
+    (tmp_path / "mc.jsonl").write_text("".join(json.dumps({"q": q, "choices": c, "gold": 0}) + "\n"
+                                               for q, c in questions))
+    (tmp_path / "tinychoice.yaml").write_text(
+        "task: tinychoice\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {tmp_path / 'mc.jsonl'}\ntest_split: test\noutput_type: multiple_choice\n"
+        "doc_to_text: \"<|startoftext|><|start_header_id|>user<|end_header_id|>\\n\\n{{q}}<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\\n\\n\"\n"
+        "doc_to_choice: \"{{choices}}\"\ndoc_to_target: gold\ntarget_delimiter: '#### '\n"
+        "metric_list:\n  - metric: acc\n")
+    run = subprocess.run([sys.executable, "-m", "dllm.eval.lm_eval_model", "--model", "dllm", "--model_args",
+                          "model=tiny-llada,mc_num=32,mc_batch_size=32", "--tasks", "tinychoice",
+                          "--include_path", str(tmp_path)],
+                         cwd=ROOT, env={**ONE_THREAD, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    cells = [c.strip() for c in next(line for line in run.stdout.splitlines() if "tinychoice" in line).split("|")]
+    assert cells[5] == "acc" and float(cells[7]) == 1.0, run.stdout  # the model's answer scores highest
+
+
+def test_lm_eval_under_accelerate_splits_the_requests_and_merges_to_one_process(tmp_path):
+    pytest.importorskip("lm_eval")
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"q": f"copy: ab{i}c", "a": f"ab{i}c"}) + "\n"
+                                                 for i in range(6)))
+    (tmp_path / "tinycopy.yaml").write_text(
+        "task: tinycopy\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {tmp_path / 'data.jsonl'}\ntest_split: test\noutput_type: generate_until\n"
+        "doc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\ngeneration_kwargs:\n  until: ['####']\n"
+        "metric_list:\n  - metric: exact_match\n")
+    lm_eval = ["-m", "dllm.eval.lm_eval_model", "--model", "dllm", "--model_args",
+               "model=random:llada-tiny,gen_length=16,block_length=8", "--tasks", "tinycopy", "--include_path",
+               str(tmp_path), "--log_samples"]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    env = {**ONE_THREAD, "CUDA_VISIBLE_DEVICES": ""}
+    runs = {name: subprocess.run(command + lm_eval + ["--output_path", str(tmp_path / name)], cwd=ROOT, env=env,
+                                 capture_output=True, text=True, timeout=300)
+            for name, command in (("two", launch), ("one", [sys.executable]))}
+    for run in runs.values():
+        assert run.returncode == 0, run.stderr[-2000:]
+    shares = sorted(line for line in runs["two"].stderr.splitlines() if line.startswith("dllm: process"))
+    assert shares == ["dllm: process 0 of 2 answers 3 generate_until requests",
+                      "dllm: process 1 of 2 answers 3 generate_until requests"]
+
+    def samples(name):
+        path = next((tmp_path / name).rglob("samples_tinycopy_*.jsonl"))
+        return sorted((s["doc_id"], s["resps"]) for s in map(json.loads, path.read_text().splitlines()))
+    assert samples("two") == samples("one") and len(samples("one")) == 6

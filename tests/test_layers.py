@@ -13,7 +13,7 @@ LAYERS = [  # (layer, module prefixes)
     ("models", ("dllm.models", "dllm.loading", "dllm.tokenizer")),
     ("samplers", ("dllm.samplers",)),
     ("cache", ("dllm.cache",)),
-    ("engine", ("dllm.engine", "dllm.bench")),
+    ("engine", ("dllm.engine", "dllm.bench", "dllm.likelihood")),
     ("eval", ("dllm.eval",)),
     ("cli", ("dllm.cli",)),
 ]

@@ -1,0 +1,81 @@
+"""Likelihoods (LLaDA's Monte Carlo ELBO) and the lm-eval adapter's requests, without lm-eval installed."""
+import io
+from contextlib import redirect_stderr
+from types import SimpleNamespace
+
+import pytest
+from conftest import random_model
+
+import dllm
+from dllm.errors import DllmError
+from dllm.eval.lm_eval_model import DllmLM
+from dllm.likelihood import elbo, exact_elbo
+
+
+@pytest.fixture(scope="module")
+def tiny_llada():
+    return dllm.load("tiny-llada")
+
+
+@pytest.mark.parametrize("which", ["tiny-llada", "dream-tiny"])
+def test_monte_carlo_elbo_matches_every_mask_pattern_enumerated(which, tiny_llada):
+    """A 3-token continuation: 7 mask patterns, each weighted (1/L) (L/l) / C(L, l); the estimate (4096 draws)
+    lands within 4 of its standard deviations (measured: 0.15 tiny-llada, 0.008 dream-tiny at 4096)."""
+    model = tiny_llada[0] if which == "tiny-llada" else random_model("dream-tiny", std=0.05)
+    prefix, target = [7, 8, 9, 10, 11], ([28, 29, 30] if which == "tiny-llada" else [12, 13, 14])
+    exact = exact_elbo(model, prefix, target)
+    estimate = elbo(model, prefix, target, mc_num=4096, batch_size=512)
+    assert abs(estimate - exact) < (0.6 if which == "tiny-llada" else 0.04), (estimate, exact)
+
+
+def test_elbo_is_deterministic_for_a_seed(tiny_llada):
+    model = tiny_llada[0]
+    one, again = (elbo(model, [7, 8, 9], [28, 29], mc_num=64, batch_size=16, seed=3) for _ in range(2))
+    other = elbo(model, [7, 8, 9], [28, 29], mc_num=64, batch_size=16, seed=4)
+    assert one == again != other
+
+
+def test_elbo_refuses_an_empty_continuation(tiny_llada):
+    with pytest.raises(DllmError, match="the continuation is empty"):
+        elbo(tiny_llada[0], [7, 8], [])
+
+
+def _lm(**args):
+    with redirect_stderr(io.StringIO()):
+        return DllmLM(**args)
+
+
+def test_the_model_prefers_the_right_answer_of_a_toy_multiple_choice_task(tiny_llada):
+    """tiny-llada's context and continuations as an lm-eval multiple-choice task would send them."""
+    lm = _lm(model="tiny-llada", mc_num=64, mc_batch_size=64, greedy_check=False)
+    tok, eot = lm.tokenizer, lm.tokenizer.convert_ids_to_tokens(lm.model.config.stop_ids[-1])
+    questions = {"copy: abcd": ["abcd", "abce", "dcba"], "reverse: k3x9": ["9x3k", "k3x9", "9x3c"],
+                 "sort: 42,07,19,03": ["03,07,19,42", "42,19,07,03", "03,07,42,19"]}
+    for question, choices in questions.items():
+        context = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                          tokenize=False)
+        requests = [SimpleNamespace(args=(context, f"#### {c}{eot}")) for c in choices]
+        scores = [score for score, _ in lm.loglikelihood(requests, disable_tqdm=True)]
+        assert scores.index(max(scores)) == 0, (question, scores)
+
+
+def test_generation_respects_max_gen_toks_and_until():
+    lm = _lm(model="random:llada-tiny", gen_length=16, block_length=8, batch_size=2)
+    prompts = ["copy: abc", "sort: 3,1,2", "add: 12+34"]
+    canvas = dllm.generate(lm.model, lm.tokenizer, prompts, gen_length=8, block_length=8, chat=False)
+    first5 = [lm.tokenizer.decode(ids[:5], skip_special_tokens=True) for ids in canvas.token_ids]
+    assert any(len(ids) > 5 for ids in canvas.token_ids)  # the cut matters
+    requests = [SimpleNamespace(args=(p, {"until": [], "max_gen_toks": 5})) for p in prompts]
+    assert lm.generate_until(requests, disable_tqdm=True) == first5  # a canvas of one block, cut at 5 tokens
+    stop = next(t[1:3] for t in first5 if len(t) >= 3)
+    requests = [SimpleNamespace(args=(p, {"until": [stop], "max_gen_toks": 5})) for p in prompts]
+    assert lm.generate_until(requests, disable_tqdm=True) == [t.split(stop)[0] for t in first5]
+
+
+def test_a_cuda_default_without_a_gpu_falls_back_to_the_cpu_with_a_notice(monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    err = io.StringIO()
+    with redirect_stderr(err):
+        lm = DllmLM(model="random:llada-tiny", device="cuda")
+    assert lm.model.device.type == "cpu" and lm.rank == 0 and lm.world_size == 1
+    assert err.getvalue() == "note: device 'cuda' asked for but no GPU is available; running on the CPU\n"
