@@ -188,15 +188,20 @@ def test_lm_eval_adapter_generate_until():
     assert registry.get_model("dllm") is DllmLM
 
 
-def test_lm_eval_command_line(tmp_path):
-    pytest.importorskip("lm_eval")
-    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"q": f"copy: ab{i}", "a": f"ab{i}"}) + "\n"
-                                                 for i in range(3)))
-    (tmp_path / "tinycopy.yaml").write_text(
+def _tinycopy_task(folder, count: int) -> None:
+    """A generative lm-eval task of `count` copy questions, as a YAML file and its data in `folder`."""
+    (folder / "data.jsonl").write_text("".join(json.dumps({"q": f"copy: ab{i}c", "a": f"ab{i}c"}) + "\n"
+                                               for i in range(count)))
+    (folder / "tinycopy.yaml").write_text(
         "task: tinycopy\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
-        f"    test: {tmp_path / 'data.jsonl'}\ntest_split: test\noutput_type: generate_until\n"
+        f"    test: {folder / 'data.jsonl'}\ntest_split: test\noutput_type: generate_until\n"
         "doc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\ngeneration_kwargs:\n  until: ['####']\n"
         "metric_list:\n  - metric: exact_match\n")
+
+
+def test_lm_eval_command_line(tmp_path):
+    pytest.importorskip("lm_eval")
+    _tinycopy_task(tmp_path, 3)
     run = subprocess.run([sys.executable, "-m", "dllm.eval.lm_eval_model", "--model", "dllm", "--device", "cpu",
                           "--model_args", "model=random:llada-tiny,sampler=threshold,threshold=0.9,cache=dual,"
                           "gen_length=16,block_length=8", "--tasks", "tinycopy", "--include_path", str(tmp_path)],
@@ -229,13 +234,7 @@ def test_lm_eval_likelihood_task_on_cpu_without_device(tmp_path):
 
 def test_lm_eval_under_accelerate_splits_the_requests_and_merges_to_one_process(tmp_path):
     pytest.importorskip("lm_eval")
-    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"q": f"copy: ab{i}c", "a": f"ab{i}c"}) + "\n"
-                                                 for i in range(6)))
-    (tmp_path / "tinycopy.yaml").write_text(
-        "task: tinycopy\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
-        f"    test: {tmp_path / 'data.jsonl'}\ntest_split: test\noutput_type: generate_until\n"
-        "doc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\ngeneration_kwargs:\n  until: ['####']\n"
-        "metric_list:\n  - metric: exact_match\n")
+    _tinycopy_task(tmp_path, 6)
     lm_eval = ["-m", "dllm.eval.lm_eval_model", "--model", "dllm", "--model_args",
                "model=random:llada-tiny,gen_length=16,block_length=8", "--tasks", "tinycopy", "--include_path",
                str(tmp_path), "--log_samples"]
