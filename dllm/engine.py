@@ -205,6 +205,12 @@ class Runner:
         return drafts[pick, choice], logits[pick, choice]
 
 
+def check_compile(cache: Cache, compile: bool) -> None:
+    if compile and not cache.compiles:
+        raise DllmError(f"cache {cache.name!r} chooses its rows token by token and runs eagerly; drop --compile "
+                        f"(compile=False) or use cache none, prefix or dual")
+
+
 def compiled_run(model: DiffusionLM):
     """`model.run` under `torch.compile(fullgraph=True)`, made once per model. Shapes that change from call to
     call (prefix's rows shrinking block by block) are recompiled once as dynamic shapes."""
@@ -237,9 +243,7 @@ def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache
     if sampler.drafts and not cache.verifies_drafts:
         raise DllmError(f"sampler {sampler.name!r} verifies drafts, which cache {cache.name!r} cannot do without "
                         f"changing its state; use cache none, prefix or dual")
-    if compile and not cache.compiles:
-        raise DllmError(f"cache {cache.name!r} chooses its rows token by token and runs eagerly; drop --compile "
-                        f"(compile=False) or use cache none, prefix or dual")
+    check_compile(cache, compile)
     steps_per_block = check_lengths(gen_length, block_length, steps)
     canvas = Canvas.build(model, prompts, gen_length)
     batch, length = canvas.tokens.shape

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from dllm.engine import check_int, decoding_lengths, encode_prompts, generate, split_params
+from dllm.engine import check_compile, check_int, decoding_lengths, encode_prompts, generate, split_params
 from dllm.errors import DllmError
 
 from .tasks import Item, get_task
@@ -56,6 +56,7 @@ def evaluate(model, tokenizer, task: str, sampler: str | Any = "low_confidence",
                               "batch_size": batch_size, "gold": gold}
     if not gold:
         sampler, cache = split_params(sampler, cache, {}, sampler_args, cache_args)
+        check_compile(cache, compile)
         chat = getattr(tokenizer, "chat_template", None) is not None if chat is None else chat
         gen_length, block_length, steps = decoding_lengths(model, gen_length, block_length, steps).values()
         _check_context(model, tokenizer, items, chat, gen_length, shots)

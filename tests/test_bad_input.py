@@ -92,6 +92,8 @@ CLI_CASES = [
     (["eval", "--task", "gsm8k", "--model", "tiny-llada", "--limit", "2", "--output", "{tmp}/gsm"],
      "tokenizer cannot read the task's prompts.*use a model whose vocabulary covers the task", None, ["gsm"]),
     (["eval", "--sweep", "sampler=threshold"], "--sweep needs --output DIR", None, []),
+    (["eval", "--cache", "dkv", "--compile", "--output", "{tmp}/out"],
+     "cache 'dkv' chooses its rows token by token and runs eagerly; drop --compile", None, ["out"]),
     (["eval", "--gold", "--sweep", "sampler=threshold"], "--gold scores the references without a model; drop --sweep",
      None, []),
     (["chat"], "line 1 of standard input is not UTF-8", b"\xfe\xff\n", []),

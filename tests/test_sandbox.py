@@ -168,6 +168,20 @@ def test_without_bubblewrap_nothing_runs_unless_unsafe(monkeypatch, tmp_path):
         sandbox.isolation_problem.cache_clear()
 
 
+def test_a_code_task_without_bubblewrap_stops_before_any_work(monkeypatch, tmp_path, capsys):
+    from dllm.cli import main
+
+    monkeypatch.setattr(sandbox.shutil, "which", lambda name, path=None: None)
+    sandbox.isolation_problem.cache_clear()
+    try:
+        code = main(["eval", "--task", "humaneval", "--gold", "--limit", "2", "--output", str(tmp_path / "he")])
+    finally:
+        sandbox.isolation_problem.cache_clear()
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "bubblewrap (bwrap) is not installed" in err
+    assert not (tmp_path / "he").exists()
+
+
 def test_unsafe_guard_still_refuses_writes_outside_its_directory(host):
     for program in (f"open({str(host / 'written')!r}, 'w').write('x')",
                     f"import os\nos.remove({str(host / 'keep.txt')!r})",
