@@ -94,7 +94,6 @@ class ElasticStore(KVStore):
         self.key_mask = canvas.key_mask
         self.keys_valid = torch.ones_like(masked) if canvas.key_mask is None else canvas.key_mask[:, 0, 0]
         self.window, self.tracked_rows = index_rows(window), index_rows(self.tracked.any(0))
-        self.grown_at = None  # the layer from which this forward computes every row
         if active is None:
             self.full_from = 0
             return Rows(slice(0, masked.shape[1]))
@@ -107,15 +106,14 @@ class ElasticStore(KVStore):
         return rows
 
     def count(self, rows: int, canvas_rows: int) -> None:
-        grown_at = len(self.rows_per_layer) if self.grown_at is None else self.grown_at
-        self.rows_per_layer = [n + (rows if layer < grown_at else canvas_rows)
+        """Every row from `full_from` on (the layer where this forward grew to the whole canvas, if it did)."""
+        self.rows_per_layer = [n + (rows if layer < self.full_from else canvas_rows)
                                for layer, n in enumerate(self.rows_per_layer)]
 
     def expand(self, layer: int, rows: Rows, x: Tensor) -> tuple[Tensor, Tensor] | None:
         write_rows(self.x[layer], 1, rows, x)
         if rows.is_slice or layer < self.full_from:
             return None
-        self.grown_at = layer
         return self.x[layer], self.positions
 
     def update(self, layer: int, rows: Rows, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:

@@ -17,8 +17,7 @@ from torch import Tensor
 from . import cache as caches
 from . import samplers as samplers_mod
 from .errors import DllmError
-from .models import DiffusionLM
-from .models import Rows
+from .models import DiffusionLM, Rows
 
 if TYPE_CHECKING:
     from .cache import Cache

@@ -12,8 +12,6 @@ tokens through the network per continuation (ceil(mc_num / batch_size) forwards)
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -78,18 +76,3 @@ def is_greedy(model: DiffusionLM, prefix: list[int], target: list[int]) -> bool:
                           len(target), len(target), len(target), stop_early=False)
     return canvas.tokens[0, len(prefix):].tolist() == list(target)
 
-
-def exact_elbo(model: DiffusionLM, prefix: list[int], target: list[int]) -> float:
-    """The ELBO by enumerating every mask pattern (2^L - 1 forwards; for tests on short continuations)."""
-    _check(model, prefix, target)
-    n, length = len(prefix), len(target)
-    sequence = torch.tensor(prefix + target, device=model.device)
-    total = 0.0
-    with torch.no_grad():
-        for pattern in range(1, 2 ** length):
-            masked = torch.tensor([False] * n + [bool(pattern >> i & 1) for i in range(length)], device=model.device)
-            count = int(masked.sum())
-            logp = model(torch.where(masked, model.config.mask_id, sequence)[None])[0].float().log_softmax(-1)
-            term = float(logp[masked].gather(1, sequence[masked][:, None]).sum())
-            total += term * (length / count) / length / math.comb(length, count)
-    return total

@@ -36,3 +36,13 @@ def any_model(request):
         import dllm
         return dllm.load(request.param)[0]
     return random_model(request.param)
+
+
+@pytest.fixture(autouse=True)
+def _registries_restored():
+    """Samplers and caches a test registers are gone after it, so no other test iterates over them."""
+    from dllm import cache, samplers
+
+    kept = dict(samplers.SAMPLERS.classes), dict(cache.CACHES.classes)
+    yield
+    samplers.SAMPLERS.classes, cache.CACHES.classes = dict(kept[0]), dict(kept[1])

@@ -135,3 +135,24 @@ def test_sampler_that_commits_nothing_is_an_error(tiny):
 
     one_line_error(lambda: dllm.generate(*tiny, ["ab"], sampler="lazy_test", gen_length=8, block_length=8),
                    "committed nothing for an unfinished row")
+
+
+def test_sampler_whose_commits_differ_from_its_verified_draft_is_an_error(tiny):
+    from dllm.samplers.speculative import Speculative
+
+    @samplers.register("unfaithful_test")
+    @dataclass
+    class Unfaithful(Speculative):
+        """Verifies drafts, then commits one position more than the draft it names."""
+
+        def step(self, ctx):
+            out = super().step(ctx)
+            if out.verified is None:
+                return out
+            extra = ctx.eligible & ~out.mask
+            extra &= extra.long().cumsum(1) == 1  # the first position the draft left masked
+            return samplers.Commit(out.mask | extra, out.tokens, out.confidence, verified=out.verified)
+
+    one_line_error(lambda: dllm.generate(*tiny, ["ab"], sampler="unfaithful_test", cache="dual", gen_length=16,
+                                         block_length=16, stop_early=False),
+                   "a sampler returned a verified draft that differs from its commits")

@@ -1,15 +1,33 @@
 """Likelihoods (LLaDA's Monte Carlo ELBO) and the lm-eval adapter's requests, without lm-eval installed."""
 import io
+import math
 from contextlib import redirect_stderr
 from types import SimpleNamespace
 
 import pytest
+import torch
 from conftest import random_model
 
 import dllm
 from dllm.errors import DllmError
 from dllm.eval.lm_eval_model import DllmLM
-from dllm.likelihood import elbo, exact_elbo
+from dllm.likelihood import elbo
+
+
+def exact_elbo(model, prefix: list[int], target: list[int]) -> float:
+    """The ELBO by enumerating every mask pattern: pattern S of l masked tokens has probability
+    (1/L) / C(L, l) and weight L / l (2^L - 1 forwards)."""
+    n, length = len(prefix), len(target)
+    sequence = torch.tensor(prefix + target)
+    total = 0.0
+    with torch.no_grad():
+        for pattern in range(1, 2 ** length):
+            masked = torch.tensor([False] * n + [bool(pattern >> i & 1) for i in range(length)])
+            count = int(masked.sum())
+            logp = model(torch.where(masked, model.config.mask_id, sequence)[None])[0].float().log_softmax(-1)
+            term = float(logp[masked].gather(1, sequence[masked][:, None]).sum())
+            total += term * (length / count) / length / math.comb(length, count)
+    return total
 
 
 @pytest.fixture(scope="module")
