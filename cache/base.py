@@ -168,6 +168,8 @@ class Cache(Params):
     verifies_drafts: ClassVar[bool] = False  # True when the store is its only per-step state (`fork`/`adopt`)
     needs_next_commits: ClassVar[bool] = False  # `plan` needs the next step's commits before its forward
     compiles: ClassVar[bool] = False  # its rows are always slices, so the forward can run compiled
+    block_fresh: ClassVar[bool] = False  # recomputes every row at each block start: nothing in the store outlives
+    # a block, so a batch can be laid out anew between blocks (rows joining and leaving, `dllm serve`)
 
     def new_kv(self, model, batch: int, length: int) -> PassThrough:
         cfg = model.config

@@ -24,6 +24,7 @@ class NoCache(Cache):
     stores_kv: ClassVar[bool] = False
     verifies_drafts: ClassVar[bool] = True
     compiles: ClassVar[bool] = True
+    block_fresh: ClassVar[bool] = True
 
     def active_rows(self, step, start, end, length, shift):
         return slice(0, length)
@@ -33,6 +34,7 @@ class NoCache(Cache):
 class _Refreshing(Cache):
     verifies_drafts: ClassVar[bool] = True
     compiles: ClassVar[bool] = True
+    block_fresh: ClassVar[bool] = True
     refresh_every: int = param(0, "also recompute everything every k steps inside a block (0: block start only)", ge=0)
 
     def full_step(self, step: int) -> bool:

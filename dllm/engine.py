@@ -58,7 +58,9 @@ class Canvas:
     tokens: Tensor  # [B, L]
     positions: Tensor  # [B, L] RoPE positions: real tokens counted from 0 in every row
     key_mask: Tensor | None  # [B, 1, 1, L] bool, None when nothing is padded
-    prompt_length: int
+    prompt_length: int  # where the earliest row's generation starts (every row's, unless rows joined between blocks)
+    gen_start: Tensor  # [B] where each row's generation starts ...
+    gen_end: Tensor  # [B] ... and ends (right padding after it, when rows of a batch differ)
 
     @classmethod
     def build(cls, model: DiffusionLM, prompts: list[list[int]], gen_length: int) -> "Canvas":
@@ -86,7 +88,9 @@ class Canvas:
         positions = (real.long().cumsum(1) - 1).clamp(min=0)
         key_mask = None if real.all() else real[:, None, None, :]
         device = model.device
-        return cls(tokens.to(device), positions.to(device), None if key_mask is None else key_mask.to(device), width)
+        gen_start = torch.full((len(prompts),), width, device=device)
+        return cls(tokens.to(device), positions.to(device), None if key_mask is None else key_mask.to(device), width,
+                   gen_start, gen_start + gen_length)
 
 
 def check_int(name: str, value: Any, minimum: int | None = None) -> int:
@@ -121,14 +125,14 @@ def check_lengths(gen_length: int, block_length: int, steps: int | None) -> int:
 def _finish_rows(canvas: Canvas, finished: Tensor, cfg) -> Tensor:
     """Mark rows whose answer is complete (a stop token with nothing masked before it) and write the filler
     into their remaining masks. Returns the updated `finished`."""
-    gen = canvas.tokens[:, canvas.prompt_length:]
-    stops = torch.isin(gen, torch.tensor(cfg.stop_ids, device=gen.device))
-    first = stops.int().argmax(1, keepdim=True)
-    masked = gen == cfg.mask_id
-    masks_before = masked.long().cumsum(1).gather(1, first)[:, 0]
-    done = stops.any(1) & (masks_before == 0)
-    after = torch.arange(gen.shape[1], device=gen.device)[None] > first
-    gen.masked_fill_(done[:, None] & after & masked, cfg.filler_id)
+    tokens = canvas.tokens
+    column = torch.arange(tokens.shape[1], device=tokens.device)[None]
+    answer = (column >= canvas.gen_start[:, None]) & (column < canvas.gen_end[:, None])
+    stops = torch.isin(tokens, torch.tensor(cfg.stop_ids, device=tokens.device)) & answer
+    first = torch.where(stops.any(1), stops.int().argmax(1), tokens.shape[1])[:, None]
+    masked = (tokens == cfg.mask_id) & answer
+    done = stops.any(1) & ~(masked & (column < first)).any(1)
+    tokens.masked_fill_(done[:, None] & (column > first) & masked, cfg.filler_id)
     return finished | done
 
 
@@ -219,71 +223,189 @@ def compiled_run(model: DiffusionLM):
     return run
 
 
-@torch.no_grad()
-def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache: Cache, gen_length: int,
-           block_length: int, steps: int | None = None, seed: int = 0, stop_early: bool = True,
-           trace: bool = False, profile: bool = False, callback: Callable[[dict], None] | None = None,
-           compile: bool = False) -> tuple[Canvas, Stats, list[dict] | None]:
-    """Decode token-id prompts; returns the final canvas, statistics and (optionally) a per-step trace.
-    `profile` times every forward (synchronizing the device) into `stats.forward_seconds` by kind: `full`
-    (every canvas row computed), `cached` (the other rows read from the cache), `verify` (draft batches).
-    `callback`, if given, is called after every step with `{"block", "step", "committed"}` (tokens committed
-    by the step over the batch), e.g. for a progress bar. `compile` runs the model compiled
-    (`compiled_run`; caches none, prefix and dual).
+@dataclass
+class Row:
+    """One prompt in a `Batch`: its tokens (prompt, then its answer canvas) and its own random stream, so its
+    tokens never depend on the rows beside it."""
 
+    prompt: list[int]
+    gen_length: int
+    generator: torch.Generator
+    tokens: Tensor  # [len(prompt) + gen_length] as of the last layout
+    decoded: int = 0  # answer positions before the current block (whole blocks), as of the last layout
+    finished: bool = False  # a stop token committed with nothing masked before it
+
+
+class Batch:
+    """Rows decoded together, block by block, all with the same sampler, cache and block layout: the one decode
+    loop. `decode` runs a fixed batch to the end; `dllm serve` also adds and removes rows between blocks
+    (continuous batching), which re-lays the canvas out so that every row's current block sits at the same
+    columns: `[pad | prompt | decoded blocks | current block | later blocks | pad]`. That is exact when the cache
+    recomputes every row at a block start (`Cache.block_fresh`) and the sampler looks only at the current block
+    (`Sampler.block_local`); `joins_between_blocks` says so.
+
+    `profile` times every forward into `stats.forward_seconds`; `callback` is called after every step with
+    `{"block", "step", "committed"}`; `compile` runs the model compiled (`compiled_run`; caches none, prefix, dual).
     The host waits for the device once per step (has the block any mask left?) and once per block."""
-    cfg = model.config
-    if cfg.pad_id == cfg.mask_id:
-        raise DllmError("the model's pad id equals its mask id; fix pad_token_id in config.json")
-    if cache.needs_next_commits and not sampler.commits_known_ahead:
-        known = ", ".join(cls.name for cls in samplers_mod.SAMPLERS if cls.commits_known_ahead)
-        raise DllmError(f"cache {cache.name!r} needs a sampler whose next commits are known before the forward "
-                        f"({known}); sampler {sampler.name!r} chooses them from the logits")
-    if sampler.drafts and not cache.verifies_drafts:
-        raise DllmError(f"sampler {sampler.name!r} verifies drafts, which cache {cache.name!r} cannot do without "
-                        f"changing its state; use cache none, prefix or dual")
-    check_compile(cache, compile)
-    steps_per_block = check_lengths(gen_length, block_length, steps)
-    canvas = Canvas.build(model, prompts, gen_length)
-    batch, length = canvas.tokens.shape
-    stats, steps_trace = Stats(batch=batch), [] if trace else None
-    runner = Runner(model, canvas, cache, cache.new_kv(model, batch, length), stats, profile, compile)
-    kv = runner.kv
-    state = SimpleNamespace()  # the sampler's per-run state
-    generator = torch.Generator(device=model.device).manual_seed(seed)
-    finished = torch.zeros(batch, dtype=torch.bool, device=model.device)
-    committed = torch.zeros((), dtype=torch.long, device=model.device)
-    prompt_length = canvas.prompt_length
-    total_steps = steps_per_block * (gen_length // block_length)
-    masked_at_plan = None  # the canvas's masks when the last forward was planned
 
-    def plan(step: int, start: int, end: int) -> tuple[int, int, Rows]:
-        """Candidate window `[lo, hi)` of a step and the rows to compute for it."""
-        nonlocal masked_at_plan
-        lo, hi = sampler.logit_window(prompt_length, length, start, end, step)
-        lo, hi = min(lo, start), max(hi, end)
-        masked = canvas.tokens == cfg.mask_id
-        decoded = None if masked_at_plan is None else masked_at_plan & ~masked
-        masked_at_plan = masked
-        next_commits = sampler.next_commits(state) if cache.needs_next_commits else None
-        return lo, hi, cache.plan(kv, caches.PlanContext(
-            canvas=canvas, masked=masked, decoded=decoded, next_commits=next_commits, step=step, start=start,
-            end=end, lo=lo, hi=hi, shift=cfg.logit_shift, arch=cfg.arch))
+    def __init__(self, model: DiffusionLM, sampler: Sampler, cache: Cache, block_length: int, steps_per_block: int,
+                 stop_early: bool = True, trace: bool = False, profile: bool = False,
+                 callback: Callable[[dict], None] | None = None, compile: bool = False):
+        cfg = model.config
+        if cfg.pad_id == cfg.mask_id:
+            raise DllmError("the model's pad id equals its mask id; fix pad_token_id in config.json")
+        if cache.needs_next_commits and not sampler.commits_known_ahead:
+            known = ", ".join(cls.name for cls in samplers_mod.SAMPLERS if cls.commits_known_ahead)
+            raise DllmError(f"cache {cache.name!r} needs a sampler whose next commits are known before the forward "
+                            f"({known}); sampler {sampler.name!r} chooses them from the logits")
+        if sampler.drafts and not cache.verifies_drafts:
+            raise DllmError(f"sampler {sampler.name!r} verifies drafts, which cache {cache.name!r} cannot do "
+                            f"without changing its state; use cache none, prefix or dual")
+        check_compile(cache, compile)
+        self.model, self.sampler, self.cache = model, sampler, cache
+        self.block_length, self.steps_per_block = block_length, steps_per_block
+        self.stop_early, self.profile, self.callback, self.compile = stop_early, profile, callback, compile
+        self.joins_between_blocks = sampler.block_local and cache.block_fresh
+        self.rows: list[Row] = []
+        self.stats, self.trace = Stats(batch=0), [] if trace else None
+        self.canvas: Canvas | None = None  # None: rows changed since the last layout
+        self.block = 0  # blocks run
 
-    def open_masks(start: int, end: int) -> Tensor:
-        return ((canvas.tokens[:, start:end] == cfg.mask_id) & ~finished[:, None]).any()
+    def add(self, prompt: list[int], gen_length: int, seed: int = 0) -> Row:
+        """A row for `prompt` with `gen_length` answer tokens (whole blocks), decoded from the next block on."""
+        if self.rows and not self.joins_between_blocks and self.block:
+            raise DllmError(f"sampler {self.sampler.name!r} with cache {self.cache.name!r} cannot take rows into a "
+                            f"running batch (the sampler must look only at the current block and the cache "
+                            f"recompute every row at each block start); start a new batch")
+        if gen_length % self.block_length:
+            raise DllmError(f"gen_length ({gen_length}) must be a multiple of block_length ({self.block_length})")
+        model = self.model
+        Canvas.build(model, [prompt], gen_length)  # validates the prompt and the length
+        tokens = torch.tensor(list(prompt) + [model.config.mask_id] * gen_length, dtype=torch.long)
+        row = Row(list(prompt), gen_length, torch.Generator(device=model.device).manual_seed(seed), tokens)
+        self._save()
+        self.rows.append(row)
+        self.canvas = None
+        return row
 
-    start_time = _clock(model.device)
-    start, block = prompt_length, 0
-    while start < length and not finished.all():
-        end = min(start + block_length, length)
+    def remove(self, row: Row) -> None:
+        """Take `row` out between blocks (finished, out of blocks, or cancelled)."""
+        if not self.joins_between_blocks and self.block and len(self.rows) > 1:
+            raise DllmError(f"sampler {self.sampler.name!r} with cache {self.cache.name!r} cannot drop rows from a "
+                            f"running batch; let it finish")
+        self._save()
+        self.rows.remove(row)
+        self.canvas = None
+
+    def answer(self, row: Row) -> list[int]:
+        """`row`'s answer so far: the tokens of its decoded blocks, cut before the first stop token."""
+        self._save()
+        ids = row.tokens[len(row.prompt):len(row.prompt) + row.decoded].tolist()
+        stops = self.model.config.stop_ids
+        return ids[:next((i for i, t in enumerate(ids) if t in stops), len(ids))]
+
+    def done(self, row: Row) -> bool:
+        """Nothing left to decode: a stop committed, or every block of the row decoded."""
+        self._save()
+        return row.finished or row.decoded >= row.gen_length
+
+    @property
+    def running(self) -> bool:
+        return any(not self.done(row) for row in self.rows)
+
+    def _save(self) -> None:
+        """Copy the canvas back into the rows (their tokens, decoded blocks and finished flags)."""
+        canvas = self.canvas
+        if canvas is None or self._saved:
+            return
+        finished = self.finished.tolist()
+        for b, row in enumerate(self.rows):
+            first = int(canvas.gen_start[b]) - len(row.prompt)
+            row.tokens = canvas.tokens[b, first:first + len(row.tokens)].clone()
+            row.decoded = min(self.start - int(canvas.gen_start[b]), row.gen_length)
+            row.finished = finished[b]
+        self._saved = True
+
+    def _layout(self) -> None:
+        """Lay the rows out on a fresh canvas, current blocks aligned, with a fresh store and sampler state."""
+        model, cfg, rows = self.model, self.model.config, self.rows
+        left = max(len(row.prompt) + row.decoded for row in rows)
+        length = left + max(row.gen_length - row.decoded for row in rows)
+        tokens = torch.full((len(rows), length), cfg.pad_id, dtype=torch.long)
+        real = torch.zeros((len(rows), length), dtype=torch.bool)
+        gen_start = torch.tensor([left - row.decoded for row in rows])
+        for b, row in enumerate(rows):
+            first = int(gen_start[b]) - len(row.prompt)
+            tokens[b, first:first + len(row.tokens)] = row.tokens
+            real[b, first:first + len(row.tokens)] = True
+        positions = (real.long().cumsum(1) - 1).clamp(min=0)
+        key_mask = None if real.all() else real[:, None, None, :]
+        device = model.device
+        self.canvas = Canvas(tokens.to(device), positions.to(device), None if key_mask is None else key_mask.to(device),
+                             int(gen_start.min()), gen_start.to(device),
+                             torch.tensor([row.gen_length for row in rows], device=device) + gen_start.to(device))
+        self.start, self._saved = left, False
+        self._count_store()
+        self.runner = Runner(model, self.canvas, self.cache, self.cache.new_kv(model, len(rows), length), self.stats,
+                             self.profile, self.compile)
+        self.stats.batch = max(self.stats.batch, len(rows))
+        self.state = SimpleNamespace()  # the sampler's per-run state
+        self.generators = [row.generator for row in rows]
+        self.finished = torch.tensor([row.finished for row in rows], dtype=torch.bool, device=device)
+        self.masked_at_plan = None  # the canvas's masks when the last forward was planned
+
+    def _count_store(self) -> None:
+        runner = getattr(self, "runner", None)
+        if runner is not None:
+            kv = runner.kv
+            self.stats.rows_per_layer = [a + b for a, b in zip(kv.rows_per_layer, self.stats.rows_per_layer)] \
+                if self.stats.rows_per_layer else list(kv.rows_per_layer)
+            self.stats.cache_bytes = max(self.stats.cache_bytes, kv.nbytes)
+            self.runner = None
+
+    def finish(self) -> Stats:
+        """The statistics of everything decoded (call after the last block)."""
+        self._count_store()
+        return self.stats
+
+    @torch.no_grad()
+    def run_block(self) -> None:
+        """Decode the next block of every row."""
+        if not self.rows:
+            raise DllmError("the batch has no rows; add a prompt first")
+        if self.canvas is None:
+            self._layout()
+        model, sampler, cache, canvas, runner = self.model, self.sampler, self.cache, self.canvas, self.runner
+        cfg, stats, kv = model.config, self.stats, self.runner.kv
+        batch, length = canvas.tokens.shape
+        prompt_length, start, block = canvas.prompt_length, self.start, self.block
+        total_steps = self.steps_per_block * -(-int((canvas.gen_end - canvas.gen_start).max()) // self.block_length)
+        committed = torch.zeros((), dtype=torch.long, device=model.device)
+
+        def plan(step: int, start: int, end: int) -> tuple[int, int, Rows]:
+            """Candidate window `[lo, hi)` of a step and the rows to compute for it."""
+            lo, hi = sampler.logit_window(prompt_length, length, start, end, step)
+            lo, hi = min(lo, start), max(hi, end)
+            masked = canvas.tokens == cfg.mask_id
+            decoded = None if self.masked_at_plan is None else self.masked_at_plan & ~masked
+            self.masked_at_plan = masked
+            next_commits = sampler.next_commits(self.state) if cache.needs_next_commits else None
+            return lo, hi, cache.plan(kv, caches.PlanContext(
+                canvas=canvas, masked=masked, decoded=decoded, next_commits=next_commits, step=step, start=start,
+                end=end, lo=lo, hi=hi, shift=cfg.logit_shift, arch=cfg.arch))
+
+        def open_masks(start: int, end: int) -> Tensor:
+            return ((canvas.tokens[:, start:end] == cfg.mask_id) & ~self.finished[:, None]).any()
+
+        start_time = _clock(model.device)
+        end = min(start + self.block_length, length)
         step, reused = 0, None  # reused: (window, logits) of a verified draft the sampler committed
         more = bool(open_masks(start, end))
         while more:
-            counted = list(kv.rows_per_layer) if trace else None
+            counted = list(kv.rows_per_layer) if self.trace is not None else None
             lo, hi, rows = plan(step, start, end)
             logits = reused[1] if reused is not None and reused[0] == (lo, hi) else runner.forward(lo, hi, rows)
-            masked = (canvas.tokens[:, lo:hi] == cfg.mask_id) & ~finished[:, None]
+            masked = (canvas.tokens[:, lo:hi] == cfg.mask_id) & ~self.finished[:, None]
             positions = torch.arange(lo, hi, device=model.device)
 
             def verify(drafts: Tensor, step=step, start=start, end=end, lo=lo, hi=hi) -> Tensor:
@@ -296,9 +418,10 @@ def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache
 
             ctx = samplers_mod.StepContext(
                 logits=logits, eligible=masked & (positions >= start) & (positions < end), masked=masked,
-                positions=positions, canvas=canvas.tokens, step=step, steps=steps_per_block, block=block,
-                generator=generator, nfe=stats.nfe - 1, total_steps=total_steps, block_start=start, block_end=end,
-                prompt_length=prompt_length, state=state, forward=verify if sampler.drafts else None)
+                positions=positions, canvas=canvas.tokens, step=step, steps=self.steps_per_block, block=block,
+                generators=self.generators, nfe=stats.nfe - 1, total_steps=total_steps, block_start=start,
+                block_end=end, prompt_length=prompt_length, state=self.state,
+                forward=verify if sampler.drafts else None)
             if step == 0:  # the block-start forward may move the block end (AdaBlock)
                 end = sampler.block_end(ctx)
                 if not start < end <= length:
@@ -315,13 +438,13 @@ def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache
                 checks.append((draft != canvas.tokens[:, lo:hi]).any())  # the draft differs from the commits
                 reused = ((lo, hi), draft_logits)
             committed += commit.sum()
-            if trace:
+            if self.trace is not None:
                 rows_per_layer = [now - before for now, before in zip(kv.rows_per_layer, counted)]
-                steps_trace.append(_trace_step(block, step, rows_per_layer, positions, commit, out, logits))
-            if stop_early:
-                finished = _finish_rows(canvas, finished, cfg)
-            if callback is not None:
-                callback({"block": block, "step": step, "committed": int(commit.sum())})
+                self.trace.append(_trace_step(block, step, rows_per_layer, positions, commit, out, logits))
+            if self.stop_early:
+                self.finished = _finish_rows(canvas, self.finished, cfg)
+            if self.callback is not None:
+                self.callback({"block": block, "step": step, "committed": int(commit.sum())})
             more, stalled, *diverged = torch.stack([open_masks(start, end), *checks]).tolist()  # one device wait
             if stalled:
                 raise DllmError(f"sampler {sampler.name!r} committed nothing for an unfinished row at block "
@@ -330,12 +453,28 @@ def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache
                 raise DllmError("a sampler returned a verified draft that differs from its commits; commit exactly "
                                 "the chosen draft")
             step += 1
-        start, block = end, block + 1
-    stats.seconds = _clock(model.device) - start_time
-    stats.gen_tokens = int(committed)
-    stats.rows_per_layer = list(kv.rows_per_layer)
-    stats.cache_bytes = kv.nbytes
-    return canvas, stats, steps_trace
+        self.start, self.block, self._saved = end, block + 1, False
+        stats.seconds += _clock(model.device) - start_time
+        stats.gen_tokens += int(committed)
+
+
+@torch.no_grad()
+def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache: Cache, gen_length: int,
+           block_length: int, steps: int | None = None, seed: int = 0, stop_early: bool = True,
+           trace: bool = False, profile: bool = False, callback: Callable[[dict], None] | None = None,
+           compile: bool = False) -> tuple[Canvas, Stats, list[dict] | None]:
+    """Decode token-id prompts as one fixed batch (every row seeded with `seed`); returns the final canvas,
+    statistics and (optionally) a per-step trace. `profile` times every forward (synchronizing the device) into
+    `stats.forward_seconds` by kind: `full` (every canvas row computed), `cached` (the other rows read from the
+    cache), `verify` (draft batches). See `Batch` for `callback` and `compile`."""
+    steps_per_block = check_lengths(gen_length, block_length, steps)
+    Canvas.build(model, prompts, gen_length)  # every prompt's error before any work
+    batch = Batch(model, sampler, cache, block_length, steps_per_block, stop_early, trace, profile, callback, compile)
+    for ids in prompts:
+        batch.add(ids, gen_length, seed)
+    while batch.running:
+        batch.run_block()
+    return batch.canvas, batch.finish(), batch.trace
 
 
 def _clock(device: torch.device) -> float:
@@ -481,7 +620,8 @@ def generate(model: DiffusionLM, tokenizer, prompts, sampler: str | Sampler = "l
                                         trace=trace, callback=callback, compile=compile)
     cfg = model.config
     token_ids, texts = [], []
-    for row in canvas.tokens[:, canvas.prompt_length:].tolist():
+    for row, a, b in zip(canvas.tokens.tolist(), canvas.gen_start.tolist(), canvas.gen_end.tolist()):
+        row = row[a:b]
         cut = next((i for i, t in enumerate(row) if t in cfg.stop_ids), len(row))
         token_ids.append(row[:cut])
         texts.append(tokenizer.decode([t for t in row[:cut] if t < len(tokenizer)], skip_special_tokens=True))

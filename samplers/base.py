@@ -30,7 +30,7 @@ class StepContext:
     step: int  # step index inside the block, from 0
     steps: int  # step budget of this block (used by schedule-driven samplers)
     block: int  # block index, from 0
-    generator: torch.Generator
+    generators: list[torch.Generator]  # one per row: a row's random draws never depend on the rows beside it
     nfe: int  # forwards run before the one that produced these logits
     total_steps: int  # nominal step budget of the generation (steps, default gen_length)
     block_start: int  # canvas position where the block starts
@@ -57,6 +57,8 @@ class Sampler(Params):
 
     drafts: ClassVar[bool] = False  # calls ctx.forward (the cache must be able to verify drafts)
     commits_known_ahead: ClassVar[bool] = False  # `next_commits` names the next step's commits (dKV-Cache-Greedy)
+    block_local: ClassVar[bool] = True  # decides from the current block alone (state reset per block; no use of
+    # prompt_length, nfe or total_steps), so rows at different blocks can share a batch (`dllm serve`)
     temperature: float = param(0.0, "sampling temperature (0 = greedy)", ge=0.0)
 
     def step(self, ctx: StepContext) -> Commit:
@@ -81,13 +83,19 @@ class Sampler(Params):
         return ctx.block_end
 
 
-def gumbel_argmax(logits: Tensor, temperature: float, generator: torch.Generator) -> Tensor:
+def uniform(shape: torch.Size, generators: list[torch.Generator], device: torch.device) -> Tensor:
+    """float64 uniforms of `shape` `[B, ...]`, row b drawn from `generators[b]`: a row gets the numbers it
+    would get alone."""
+    return torch.stack([torch.rand(shape[1:], dtype=torch.float64, device=device, generator=g) for g in generators])
+
+
+def gumbel_argmax(logits: Tensor, temperature: float, generators: list[torch.Generator]) -> Tensor:
     """Sample from softmax(logits / T) as argmax(logits + T * Gumbel), in float64 (ML-GSAI/LLaDA
     `add_gumbel_noise`; low-precision noise lowers the effective temperature). T = 0 is plain argmax and
     draws no random numbers."""
     if temperature == 0:
         return logits.argmax(-1)
-    u = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
+    u = uniform(logits.shape, generators, logits.device)
     gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
     return (logits.double() + temperature * gumbel).argmax(-1)
 

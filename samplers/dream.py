@@ -16,7 +16,7 @@ from torch import Tensor
 from dllm.params import param
 
 from . import register
-from .base import Commit, Sampler, StepContext, top_k_per_row
+from .base import Commit, Sampler, StepContext, top_k_per_row, uniform
 
 
 @dataclass
@@ -40,8 +40,7 @@ class _DreamSampler(Sampler):
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = logits.softmax(-1)
         if self.temperature > 0:
-            flat = probs.reshape(-1, probs.shape[-1])
-            tokens = torch.multinomial(flat, 1, generator=ctx.generator).view(probs.shape[:-1])
+            tokens = torch.stack([torch.multinomial(p, 1, generator=g)[:, 0] for p, g in zip(probs, ctx.generators)])
         else:
             tokens = probs.argmax(-1)
         return tokens, probs
@@ -74,7 +73,7 @@ class _ConfidenceOrder(_DreamSampler):
         for row in range(mask.shape[0]):
             k = int(min(count[row], ctx.eligible[row].sum()))
             if k:
-                mask[row, torch.multinomial(weights[row], k, generator=ctx.generator)] = True
+                mask[row, torch.multinomial(weights[row], k, generator=ctx.generators[row])] = True
         return Commit(mask, tokens, confidence)
 
 
@@ -117,7 +116,7 @@ class Origin(_DreamSampler):
             return Commit(ctx.eligible.clone(), tokens, probs.amax(-1))
         t = 1 + ctx.step * (self.eps - 1) / ctx.steps
         s = 1 + (ctx.step + 1) * (self.eps - 1) / ctx.steps
-        draw = torch.rand(ctx.eligible.shape, dtype=torch.float64, device=ctx.logits.device, generator=ctx.generator)
+        draw = uniform(ctx.eligible.shape, ctx.generators, ctx.logits.device)
         mask = ctx.eligible & (draw < 1 - s / t)
         # at least one per row: the position with the smallest draw
         fallback = top_k_per_row(-draw, ctx.eligible, torch.ones_like(draw[:, 0], dtype=torch.long))

@@ -31,7 +31,7 @@ class Threshold(Sampler):
     threshold: float = param(0.9, "commit positions whose probability reaches this (> 1 = one per step)", ge=0.0)
 
     def step(self, ctx: StepContext) -> Commit:
-        tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generator)
+        tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generators)
         confidence = token_probability(ctx.logits, tokens)
         return Commit(threshold_commit(confidence, ctx.eligible, self.threshold), tokens, confidence)
 
@@ -63,7 +63,7 @@ class Factor(Sampler):
     compat: bool = param(False, "reproduce the reference edge case (a failing last rank still commits all)")
 
     def step(self, ctx: StepContext) -> Commit:
-        tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generator)
+        tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generators)
         confidence = token_probability(ctx.logits, tokens)
         count = factor_count(_ranked(confidence, ctx.eligible), ctx.eligible.sum(1), self.factor, self.compat)
         return Commit(top_k_per_row(confidence, ctx.eligible, count), tokens, confidence)

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from . import register
-from .base import Commit, Sampler, StepContext, gumbel_argmax, quota, token_probability, top_k_per_row
+from .base import Commit, Sampler, StepContext, gumbel_argmax, quota, token_probability, top_k_per_row, uniform
 
 
 @register("low_confidence")
@@ -18,7 +18,7 @@ class LowConfidence(Sampler):
     """LLaDA low-confidence remasking: commit the scheduled number of most probable predictions."""
 
     def step(self, ctx: StepContext) -> Commit:
-        tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generator)
+        tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generators)
         confidence = token_probability(ctx.logits, tokens)
         return Commit(top_k_per_row(confidence, ctx.eligible, quota(ctx)), tokens, confidence)
 
@@ -35,10 +35,9 @@ class RandomRemasking(Sampler):
 
     def step(self, ctx: StepContext) -> Commit:
         """State: `order` [B, C], the block's random scores; `next` [B, L], the next step's commits."""
-        tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generator)
+        tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generators)
         if ctx.step == 0:
-            ctx.state.order = torch.rand(ctx.eligible.shape, dtype=torch.float64, device=ctx.logits.device,
-                                         generator=ctx.generator)
+            ctx.state.order = uniform(ctx.eligible.shape, ctx.generators, ctx.logits.device)
         order = ctx.state.order
         mask = top_k_per_row(order, ctx.eligible, quota(ctx))
         following = replace(ctx, eligible=ctx.eligible & ~mask, step=ctx.step + 1)

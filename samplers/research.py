@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +45,7 @@ class Credit(Sampler):
         gain = torch.where(ctx.eligible, top_p ** gamma, 0.0)  # only masked positions of the block earn credit
         credit.scatter_add_(-1, top_token[..., None], gain[..., None])
         fused = logits + alpha * torch.log1p(credit)
-        tokens = gumbel_argmax(fused, self.temperature, ctx.generator)
+        tokens = gumbel_argmax(fused, self.temperature, ctx.generators)
         confidence = token_probability(fused, tokens)
         return Commit(threshold_commit(confidence, ctx.eligible, self.threshold), tokens, confidence)
 
@@ -60,7 +61,7 @@ class LocalLeap(Sampler):
     radius: int = param(4, "neighbourhood radius W around each anchor", ge=0)
 
     def step(self, ctx: StepContext) -> Commit:
-        tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generator)
+        tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generators)
         confidence = token_probability(ctx.logits, tokens)
         anchors = ctx.eligible & (confidence >= self.threshold)
         near = F.max_pool1d(anchors[:, None].float(), 2 * self.radius + 1, stride=1, padding=self.radius)[:, 0] > 0
@@ -93,6 +94,8 @@ class Prophet(Sampler):
         super().__post_init__()
         args = {"threshold": self.threshold} if self.base == "threshold" else {}
         self._base = SAMPLERS.create(self.base, temperature=self.temperature, **args)
+
+    block_local: ClassVar[bool] = False  # looks at the whole answer and counts forwards
 
     def logit_window(self, prompt_length, length, start, end, step):
         return prompt_length, length
@@ -127,6 +130,7 @@ class AdaBlock(Sampler):
     delimiter_ids: str | None = param(None, "comma-separated token ids; overrides delimiters")
     window_fraction: float = param(0.25, "delimiter search window as a fraction of gen_length", gt=0.0, le=1.0)
     _ids: Tensor | None = field(default=None, init=False, repr=False)
+    block_local: ClassVar[bool] = False  # its window is a fraction of the whole answer
 
     def __post_init__(self):
         super().__post_init__()
@@ -168,6 +172,6 @@ class AdaBlock(Sampler):
         return int(ends[active].min()) if active.any() else ctx.block_end
 
     def step(self, ctx: StepContext) -> Commit:
-        tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generator)
+        tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generators)
         confidence = token_probability(ctx.logits, tokens)
         return Commit(threshold_commit(confidence, ctx.eligible, self.threshold), tokens, confidence)

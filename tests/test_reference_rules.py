@@ -65,7 +65,7 @@ def random_step(rows, factor, seed):
 def mismatches(rule, factor, compat, rows=4000, seed=0):
     logits, eligible = random_step(rows, factor, seed)
     ctx = StepContext(logits, eligible, eligible.clone(), torch.arange(C), torch.zeros(rows, C, dtype=torch.long),
-                      0, 1, 0, torch.Generator().manual_seed(0), 0, 1, 0, C, 0, SimpleNamespace())
+                      0, 1, 0, [torch.Generator().manual_seed(0)] * rows, 0, 1, 0, C, 0, SimpleNamespace())
     ours = samplers.SAMPLERS.create("factor", factor=factor, compat=compat).step(ctx).mask
     conf = token_probability(logits, logits.argmax(-1)).double().tolist()  # the sampler's own confidences
     return sum({i for i in range(C) if ours[b, i]} != rule(conf[b], eligible[b].tolist(), factor)

@@ -16,7 +16,7 @@ def ctx_for(probs, eligible=None, step=0, steps=1, seed=0, state=None):
         eligible = torch.ones(logits.shape[:2], dtype=torch.bool)
     C = logits.shape[1]
     return StepContext(logits, eligible, eligible.clone(), torch.arange(C), torch.zeros(1, C, dtype=torch.long), step,
-                       steps, 0, torch.Generator().manual_seed(seed), 0, steps, 0, C, 0,
+                       steps, 0, [torch.Generator().manual_seed(seed)], 0, steps, 0, C, 0,
                        SimpleNamespace() if state is None else state)
 
 
@@ -74,13 +74,13 @@ def test_gumbel_sampling_matches_softmax_and_greedy_uses_no_randomness():
     logits = torch.tensor([[[2.0, 1.0, 0.0, -1.0]]]).expand(1, 20000, 4)
     g = torch.Generator().manual_seed(0)
     before = g.get_state()
-    assert (gumbel_argmax(logits, 0.0, g) == 0).all()
+    assert (gumbel_argmax(logits, 0.0, [g]) == 0).all()
     assert torch.equal(g.get_state(), before)
-    draws = gumbel_argmax(logits, 1.0, g)[0]
+    draws = gumbel_argmax(logits, 1.0, [g])[0]
     freq = torch.bincount(draws, minlength=4).double() / draws.numel()
     assert (freq - torch.softmax(logits[0, 0].double(), -1)).abs().max() < 0.015
-    again = gumbel_argmax(logits, 1.0, torch.Generator().manual_seed(0))[0]
-    assert torch.equal(again, gumbel_argmax(logits, 1.0, torch.Generator().manual_seed(0))[0])
+    again = gumbel_argmax(logits, 1.0, [torch.Generator().manual_seed(0)])[0]
+    assert torch.equal(again, gumbel_argmax(logits, 1.0, [torch.Generator().manual_seed(0)])[0])
 
 
 @pytest.mark.parametrize("name", ["maskgit_plus", "topk_margin", "entropy"])
