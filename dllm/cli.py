@@ -246,6 +246,60 @@ def _bench(args) -> int:
     return 0
 
 
+def _serve_setup(args):
+    """Model, tokenizer and the server's decoding defaults (validated before anything listens)."""
+    import dllm
+
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise DllmError(f"dllm {args.command} needs FastAPI, uvicorn and prometheus_client; "
+                        f"pip install 'dllm-fast[serve]' (from a checkout: pip install -e '.[serve]')") from None
+    if args.max_batch < 1:
+        raise DllmError(f"--max-batch must be at least 1, got {args.max_batch}")
+    _policies(args)
+    model, tok = dllm.load(args.model, device=args.device, dtype=args.dtype)
+    decoding_lengths(model, args.gen_length, args.block_length, args.steps)
+    sampler_args = _key_values(args.sampler_arg, "--sampler-arg")
+    if args.temperature is not None:
+        sampler_args["temperature"] = args.temperature
+    defaults = {"sampler": args.sampler, "cache": args.cache, "sampler_args": sampler_args,
+                "cache_args": _key_values(args.cache_arg, "--cache-arg"), "gen_length": args.gen_length,
+                "block_length": args.block_length, "steps": args.steps, "seed": args.seed}
+    return model, tok, defaults
+
+
+def _serve(args) -> int:
+    from .serve import Engine, create_app, server
+
+    model, tok, defaults = _serve_setup(args)
+    engine = Engine(model, tok, args.name or args.model, defaults, args.max_batch, args.compile)
+    server(create_app(engine), args.host, args.port, args.shutdown_timeout, engine).run()
+    return 0
+
+
+def _bench_serve(args) -> int:
+    from .serve import bench_serve, format_bench, plot_bench
+
+    try:
+        levels = tuple(int(c) for c in args.concurrency.split(","))
+    except ValueError:
+        raise DllmError(f"--concurrency takes comma-separated integers, e.g. 1,4,16; got {args.concurrency!r}") \
+            from None
+    if min(levels) < 1 or args.requests < 1:
+        raise DllmError("--concurrency levels and --requests must be at least 1")
+    if args.plot:
+        _check_writable_file(args.plot, "--plot")
+    model, tok, defaults = _serve_setup(args)
+    result = bench_serve(model, tok, args.model, defaults, args.max_batch, args.requests, levels, args.compile)
+    if args.plot and not plot_bench(result, args.plot):
+        print("note: plot not drawn: matplotlib is missing; pip install 'dllm-fast[plot]'", file=sys.stderr)
+    print(json.dumps(result) if args.json else format_bench(result), end="\n" if args.json else "")
+    return 0
+
+
 def _list(args) -> int:
     if args.what == "models":
         from .loading import available_models
@@ -310,6 +364,25 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=3, help="timed runs (the median is reported) after a warm-up")
     b.add_argument("--json", action="store_true")
     b.set_defaults(run=_bench)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server, requests batched between blocks "
+                                     "(pip install '.[serve]')")
+    _add_decoding_flags(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--max-batch", type=int, default=8, help="rows decoded together at most")
+    s.add_argument("--name", default=None, help="model name clients send and /v1/models lists (default: --model)")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM waits for requests in flight before cancelling them")
+    s.set_defaults(run=_serve)
+    bs = sub.add_parser("bench-serve", help="served throughput and latency vs client concurrency, against "
+                                            "sequential decoding (loopback server)")
+    _add_decoding_flags(bs)
+    bs.add_argument("--max-batch", type=int, default=8)
+    bs.add_argument("--requests", type=int, default=64)
+    bs.add_argument("--concurrency", default="1,4,16", help="client counts, comma-separated")
+    bs.add_argument("--plot", metavar="FILE", help="tokens/s vs concurrency as a PNG (matplotlib)")
+    bs.add_argument("--json", action="store_true")
+    bs.set_defaults(run=_bench_serve)
     ls = sub.add_parser("list", help="samplers, caches or models, with parameters and defaults")
     ls.add_argument("what", choices=("samplers", "caches", "models"))
     ls.add_argument("--json", action="store_true")

@@ -208,6 +208,21 @@ class Runner:
         return drafts[pick, choice], logits[pick, choice]
 
 
+def check_policies(model: DiffusionLM, sampler: Sampler, cache: Cache, compile: bool = False) -> None:
+    """The sampler, the cache and the model can decode together (else the one-line reason)."""
+    cfg = model.config
+    if cfg.pad_id == cfg.mask_id:
+        raise DllmError("the model's pad id equals its mask id; fix pad_token_id in config.json")
+    if cache.needs_next_commits and not sampler.commits_known_ahead:
+        known = ", ".join(cls.name for cls in samplers_mod.SAMPLERS if cls.commits_known_ahead)
+        raise DllmError(f"cache {cache.name!r} needs a sampler whose next commits are known before the forward "
+                        f"({known}); sampler {sampler.name!r} chooses them from the logits")
+    if sampler.drafts and not cache.verifies_drafts:
+        raise DllmError(f"sampler {sampler.name!r} verifies drafts, which cache {cache.name!r} cannot do "
+                        f"without changing its state; use cache none, prefix or dual")
+    check_compile(cache, compile)
+
+
 def check_compile(cache: Cache, compile: bool) -> None:
     if compile and not cache.compiles:
         raise DllmError(f"cache {cache.name!r} chooses its rows token by token and runs eagerly; drop --compile "
@@ -251,17 +266,7 @@ class Batch:
     def __init__(self, model: DiffusionLM, sampler: Sampler, cache: Cache, block_length: int, steps_per_block: int,
                  stop_early: bool = True, trace: bool = False, profile: bool = False,
                  callback: Callable[[dict], None] | None = None, compile: bool = False):
-        cfg = model.config
-        if cfg.pad_id == cfg.mask_id:
-            raise DllmError("the model's pad id equals its mask id; fix pad_token_id in config.json")
-        if cache.needs_next_commits and not sampler.commits_known_ahead:
-            known = ", ".join(cls.name for cls in samplers_mod.SAMPLERS if cls.commits_known_ahead)
-            raise DllmError(f"cache {cache.name!r} needs a sampler whose next commits are known before the forward "
-                            f"({known}); sampler {sampler.name!r} chooses them from the logits")
-        if sampler.drafts and not cache.verifies_drafts:
-            raise DllmError(f"sampler {sampler.name!r} verifies drafts, which cache {cache.name!r} cannot do "
-                            f"without changing its state; use cache none, prefix or dual")
-        check_compile(cache, compile)
+        check_policies(model, sampler, cache, compile)
         self.model, self.sampler, self.cache = model, sampler, cache
         self.block_length, self.steps_per_block = block_length, steps_per_block
         self.stop_early, self.profile, self.callback, self.compile = stop_early, profile, callback, compile
@@ -296,6 +301,14 @@ class Batch:
         self._save()
         self.rows.remove(row)
         self.canvas = None
+
+    def cancel(self, row: Row) -> None:
+        """Stop decoding `row` from the next step on (take it out between blocks with `remove`)."""
+        if self.canvas is None:
+            row.finished = True
+        else:
+            self.finished[self.rows.index(row)] = True
+            self._saved = False
 
     def answer(self, row: Row) -> list[int]:
         """`row`'s answer so far: the tokens of its decoded blocks, cut before the first stop token."""
@@ -394,14 +407,17 @@ class Batch:
                 canvas=canvas, masked=masked, decoded=decoded, next_commits=next_commits, step=step, start=start,
                 end=end, lo=lo, hi=hi, shift=cfg.logit_shift, arch=cfg.arch))
 
-        def open_masks(start: int, end: int) -> Tensor:
-            return ((canvas.tokens[:, start:end] == cfg.mask_id) & ~self.finished[:, None]).any()
+        def open_rows(start: int, end: int) -> Tensor:
+            """[B] rows with a mask left in the block."""
+            return ((canvas.tokens[:, start:end] == cfg.mask_id) & ~self.finished[:, None]).any(1)
 
         start_time = _clock(model.device)
         end = min(start + self.block_length, length)
         step, reused = 0, None  # reused: (window, logits) of a verified draft the sampler committed
-        more = bool(open_masks(start, end))
-        while more:
+        open_now = open_rows(start, end).tolist()
+        while any(open_now):
+            # a row draws random numbers only at its own steps (when it has masks left), as it does alone
+            generators = [g if o else None for g, o in zip(self.generators, open_now)]
             counted = list(kv.rows_per_layer) if self.trace is not None else None
             lo, hi, rows = plan(step, start, end)
             logits = reused[1] if reused is not None and reused[0] == (lo, hi) else runner.forward(lo, hi, rows)
@@ -419,7 +435,7 @@ class Batch:
             ctx = samplers_mod.StepContext(
                 logits=logits, eligible=masked & (positions >= start) & (positions < end), masked=masked,
                 positions=positions, canvas=canvas.tokens, step=step, steps=self.steps_per_block, block=block,
-                generators=self.generators, nfe=stats.nfe - 1, total_steps=total_steps, block_start=start,
+                generators=generators, nfe=stats.nfe - 1, total_steps=total_steps, block_start=start,
                 block_end=end, prompt_length=prompt_length, state=self.state,
                 forward=verify if sampler.drafts else None)
             if step == 0:  # the block-start forward may move the block end (AdaBlock)
@@ -445,7 +461,8 @@ class Batch:
                 self.finished = _finish_rows(canvas, self.finished, cfg)
             if self.callback is not None:
                 self.callback({"block": block, "step": step, "committed": int(commit.sum())})
-            more, stalled, *diverged = torch.stack([open_masks(start, end), *checks]).tolist()  # one device wait
+            flags = torch.cat([open_rows(start, end), torch.stack(checks)]).tolist()  # one device wait
+            open_now, (stalled, *diverged) = flags[:batch], flags[batch:]
             if stalled:
                 raise DllmError(f"sampler {sampler.name!r} committed nothing for an unfinished row at block "
                                 f"{block} step {step}; a sampler must commit at least one position per row")
@@ -592,6 +609,19 @@ def decoding_lengths(model: DiffusionLM, gen_length: int | None = None, block_le
         steps = own.get("steps")
     check_lengths(gen_length, block_length, steps)
     return {"gen_length": gen_length, "block_length": block_length, "steps": steps}
+
+
+def lengths_for_answer(lengths: dict[str, int | None], max_tokens: int | None) -> dict[str, int | None]:
+    """Decoding lengths (`decoding_lengths`) for an answer of at most `max_tokens` tokens: the canvas in whole
+    blocks, the same steps per token; the caller cuts the answer at `max_tokens`."""
+    lengths = dict(lengths)
+    if max_tokens:
+        block, gen, steps = lengths["block_length"], lengths["gen_length"], lengths["steps"]
+        lengths["gen_length"] = new = -(-int(max_tokens) // block) * block
+        if steps is not None:
+            blocks = new // block
+            lengths["steps"] = min(new, max(1, round(steps * new / gen / blocks)) * blocks)
+    return lengths
 
 
 def generate(model: DiffusionLM, tokenizer, prompts, sampler: str | Sampler = "low_confidence",

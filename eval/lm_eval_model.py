@@ -21,7 +21,6 @@ name.
 """
 from __future__ import annotations
 
-import math
 import sys
 
 import torch
@@ -81,14 +80,9 @@ class DllmLM(LM):
 
     def _canvas(self, max_gen_toks: int | None) -> dict:
         """Decoding lengths for an answer of at most `max_gen_toks` tokens: whole blocks, the same steps per token."""
-        lengths = dict(self.decoding)
-        if max_gen_toks:
-            block, gen, steps = lengths["block_length"], lengths["gen_length"], lengths["steps"]
-            lengths["gen_length"] = new = math.ceil(int(max_gen_toks) / block) * block
-            if steps is not None:
-                blocks = new // block
-                lengths["steps"] = min(new, max(1, round(steps * new / gen / blocks)) * blocks)
-        return lengths
+        from dllm.engine import lengths_for_answer
+
+        return lengths_for_answer(self.decoding, max_gen_toks)
 
     def _log_share(self, kind: str, requests) -> None:
         if self._world_size > 1:

@@ -30,7 +30,8 @@ class StepContext:
     step: int  # step index inside the block, from 0
     steps: int  # step budget of this block (used by schedule-driven samplers)
     block: int  # block index, from 0
-    generators: list[torch.Generator]  # one per row: a row's random draws never depend on the rows beside it
+    generators: list[torch.Generator | None]  # one per row (None: nothing eligible this step): a row's random draws
+    # never depend on the rows beside it
     nfe: int  # forwards run before the one that produced these logits
     total_steps: int  # nominal step budget of the generation (steps, default gen_length)
     block_start: int  # canvas position where the block starts
@@ -83,10 +84,11 @@ class Sampler(Params):
         return ctx.block_end
 
 
-def uniform(shape: torch.Size, generators: list[torch.Generator], device: torch.device) -> Tensor:
-    """float64 uniforms of `shape` `[B, ...]`, row b drawn from `generators[b]`: a row gets the numbers it
-    would get alone."""
-    return torch.stack([torch.rand(shape[1:], dtype=torch.float64, device=device, generator=g) for g in generators])
+def uniform(shape: torch.Size, generators: list[torch.Generator | None], device: torch.device) -> Tensor:
+    """float64 uniforms of `shape` `[B, ...]`, row b drawn from `generators[b]` (zeros for a row with nothing to
+    decode this step, None): a row gets the numbers it would get alone."""
+    return torch.stack([torch.zeros(shape[1:], dtype=torch.float64, device=device) if g is None else
+                        torch.rand(shape[1:], dtype=torch.float64, device=device, generator=g) for g in generators])
 
 
 def gumbel_argmax(logits: Tensor, temperature: float, generators: list[torch.Generator]) -> Tensor:

@@ -40,7 +40,8 @@ class _DreamSampler(Sampler):
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = logits.softmax(-1)
         if self.temperature > 0:
-            tokens = torch.stack([torch.multinomial(p, 1, generator=g)[:, 0] for p, g in zip(probs, ctx.generators)])
+            tokens = torch.stack([p.argmax(-1) if g is None else torch.multinomial(p, 1, generator=g)[:, 0]
+                                  for p, g in zip(probs, ctx.generators)])
         else:
             tokens = probs.argmax(-1)
         return tokens, probs

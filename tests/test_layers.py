@@ -1,5 +1,5 @@
 """The package's layers import one way: core -> models -> policies (samplers, cache; never each other) ->
-engine -> eval -> cli. Each module is imported alone in a clean interpreter and every `dllm` module it pulls
+engine -> eval -> serve -> cli. Each module is imported alone in a clean interpreter and every `dllm` module it pulls
 in must sit in its own layer or a lower one."""
 import json
 import pkgutil
@@ -15,9 +15,10 @@ LAYERS = [  # (layer, module prefixes)
     ("cache", ("dllm.cache",)),
     ("engine", ("dllm.engine", "dllm.bench", "dllm.likelihood")),
     ("eval", ("dllm.eval",)),
+    ("serve", ("dllm.serve",)),
     ("cli", ("dllm.cli",)),
 ]
-RANK = {"core": 0, "models": 1, "samplers": 2, "cache": 2, "engine": 3, "eval": 4, "cli": 5}
+RANK = {"core": 0, "models": 1, "samplers": 2, "cache": 2, "engine": 3, "eval": 4, "serve": 5, "cli": 6}
 
 
 def layer_of(module: str) -> str | None:
