@@ -216,3 +216,31 @@ def test_sigterm_finishes_requests_in_flight_and_refuses_new_ones(tiny, tmp_path
     status, answer = answers[0]
     assert status == 200
     assert text_of(answer) == dllm.generate(model, tok, "reverse: hello123", gen_length=128, stop_early=False).texts[0]
+
+
+def test_readme_requests_answer_right(server):
+    """README's curl lines (one plain, one streamed) and its openai-client request, against the tiny model."""
+    import re
+
+    from conftest import ROOT
+    from dllm.eval.synthetic import extract_answer, solve
+
+    readme = (ROOT / "README.md").read_text()
+    calls = re.findall(r"^curl -sN? localhost:8000(\S+) .* -d '(\{.*\})'$", readme, re.M)
+    assert len(calls) == 2
+    for path, raw in calls:
+        body = json.loads(raw)
+        prompt = body["messages"][0]["content"]
+        if body.get("stream"):
+            conn, events = sse(server.url, body)
+            chunks = [json.loads(d) for d in events if d != "[DONE]"]
+            conn.close()
+            text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+        else:
+            status, answer = post(server.url + path, body)
+            text = text_of(answer)
+        assert extract_answer(text) == solve(prompt), raw
+    sent = re.search(r"messages=\[\{\"role\": \"user\", \"content\": \"(.*?)\"\}\],\s*extra_body=(\{.*?\}\))", readme, re.S)
+    prompt, extra = sent.group(1), json.loads(sent.group(2)[:-1])
+    status, answer = post(server.url + "/v1/chat/completions", chat(prompt, **extra))
+    assert extract_answer(text_of(answer)) == solve(prompt)
