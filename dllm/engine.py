@@ -238,7 +238,7 @@ def compiled_run(model: DiffusionLM):
     return run
 
 
-@dataclass
+@dataclass(eq=False)  # a row is itself: compared and hashed by identity
 class Row:
     """One prompt in a `Batch`: its tokens (prompt, then its answer canvas) and its own random stream, so its
     tokens never depend on the rows beside it."""

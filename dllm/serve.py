@@ -58,7 +58,6 @@ class Job:
     submitted: float = field(default_factory=time.perf_counter)
     first_block: float | None = None
     text: str = ""  # answer text sent so far
-    tokens: int = 0
     delivered: bool = False
 
     def send(self, kind: str, **payload) -> None:
@@ -106,7 +105,7 @@ class Engine:
         self.waiting: deque[Job] = deque()
         self.cond = threading.Condition()
         self.batch: Batch | None = None
-        self.jobs: dict[int, tuple[Any, Job]] = {}  # id(row) -> (row, job)
+        self.jobs: dict[Any, Job] = {}  # the batch's rows -> their requests
         self.draining = self.stopping = False
         self.key: tuple | None = None  # the running batch's Job.key
         self.forwards = self.committed = 0
@@ -204,7 +203,7 @@ class Engine:
         """Cancel what is left and end the thread (after uvicorn's bounded graceful shutdown)."""
         with self.cond:
             self.draining = self.stopping = True
-            for job in list(self.waiting) + [job for _, job in self.jobs.values()]:
+            for job in list(self.waiting) + list(self.jobs.values()):
                 job.cancelled = True
             self.cond.notify()
         self.thread.join(timeout=30)
@@ -223,9 +222,9 @@ class Engine:
                 self._admit()
                 if self.jobs:
                     self._block()
-            except Exception as error:  # a bug, not bad input: every job of the batch gets the message, once
+            except Exception as error:  # every request of the batch gets the message, once; the server goes on
                 message = str(error) if isinstance(error, DllmError) else f"{type(error).__name__}: {error}"
-                for _, job in self.jobs.values():
+                for job in self.jobs.values():
                     job.send("error", status=400 if isinstance(error, DllmError) else 500, message=message)
                 self.jobs, self.batch = {}, None
 
@@ -234,11 +233,11 @@ class Engine:
         request that cannot share the batch waits until the batch drains)."""
         batch = self.batch
         if batch is not None:
-            leaving = [(row, job) for row, job in self.jobs.values() if job.delivered or job.cancelled]
+            leaving = [row for row, job in self.jobs.items() if job.delivered or job.cancelled]
             if batch.joins_between_blocks:
-                for row, job in leaving:
+                for row in leaving:
                     batch.remove(row)
-                    del self.jobs[id(row)]
+                    del self.jobs[row]
             elif len(leaving) == len(self.jobs):
                 self.jobs = {}
             if not self.jobs:
@@ -264,13 +263,13 @@ class Engine:
                 except DllmError as e:  # checked in `job` already; never leave a request unanswered
                     job.send("error", status=400, message=str(e))
                     continue
-                self.jobs[id(row)] = (row, job)
+                self.jobs[row] = job
             self.metrics.queue.set(len(self.waiting))
         self.metrics.rows.set(len(self.jobs))
 
     def _step(self, info: dict) -> None:
         """After every step: a cancelled request's row stops decoding (it leaves at the block's end)."""
-        for row, job in self.jobs.values():
+        for row, job in self.jobs.items():
             if job.cancelled and not job.delivered:
                 self.batch.cancel(row)
                 job.delivered = True
@@ -286,7 +285,7 @@ class Engine:
         metrics.committed.inc(batch.stats.gen_tokens - committed)
         metrics.tokens_per_forward.set(self.committed / self.forwards if self.forwards else 0.0)
         now = time.perf_counter()
-        for row, job in self.jobs.values():
+        for row, job in self.jobs.items():
             if job.delivered:
                 continue
             if job.first_block is None:
@@ -311,7 +310,7 @@ class Engine:
             return
         if not finished:
             batch.cancel(row)  # complete at max_tokens or a stop string: the row stops decoding
-        job.delivered, job.tokens = True, len(ids)
+        job.delivered = True
         reason = "stop" if hits or stop_token and len(batch.answer(row)) <= limit else "length"
         usage = {"prompt_tokens": len(job.ids), "completion_tokens": len(ids), "total_tokens": len(job.ids) + len(ids)}
         job.send("done", text=job.text, finish_reason=reason, usage=usage)

@@ -175,7 +175,7 @@ def test_a_client_that_disconnects_stops_its_row(server):
     conn, _ = sse(server.url, chat("copy: abcd", gen_length=224, block_length=32, ignore_eos=True))
     while not engine.jobs:
         time.sleep(0.01)
-    (row, job), = engine.jobs.values()
+    (row, job), = engine.jobs.items()
     time.sleep(0.3)  # decoding its first block
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
