@@ -86,8 +86,10 @@ class DllmLM(LM):
 
     def _log_share(self, kind: str, requests) -> None:
         if self._world_size > 1:
-            print(f"dllm: process {self._rank} of {self._world_size} answers {len(requests)} {kind} requests",
-                  file=sys.stderr)
+            # one write, so that the processes' lines never interleave
+            sys.stderr.write(f"dllm: process {self._rank} of {self._world_size} answers {len(requests)} {kind} "
+                             f"requests\n")
+            sys.stderr.flush()
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         import dllm

@@ -5,6 +5,7 @@ Full gold runs are slow: set DLLM_SLOW_TESTS=1 to run them."""
 import gzip
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -246,7 +247,7 @@ def test_lm_eval_under_accelerate_splits_the_requests_and_merges_to_one_process(
             for name, command in (("two", launch), ("one", [sys.executable]))}
     for run in runs.values():
         assert run.returncode == 0, run.stderr[-2000:]
-    shares = sorted(line for line in runs["two"].stderr.splitlines() if line.startswith("dllm: process"))
+    shares = sorted(re.findall(r"dllm: process \d of 2 answers \d+ generate_until requests", runs["two"].stderr))
     assert shares == ["dllm: process 0 of 2 answers 3 generate_until requests",
                       "dllm: process 1 of 2 answers 3 generate_until requests"]
 
