@@ -5,6 +5,7 @@ through one name table per architecture (`WEIGHT_NAMES`); no remote code, no pic
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -133,6 +134,9 @@ def read_config(path: Path) -> tuple[dict, object]:
     return hf, ARCHITECTURES[model_type]
 
 
+DLM_PAD = "<|dlm_pad|>"  # apple/DiffuCoder's padding after the answer (a Dream-layout checkpoint)
+
+
 def load_dir(path: Path, device="cpu", dtype: torch.dtype | None = None):
     hf, arch = read_config(path)
     tokenizer = load_tokenizer(path, arch)
@@ -141,6 +145,9 @@ def load_dir(path: Path, device="cpu", dtype: torch.dtype | None = None):
         cfg = arch.config_from_hf(hf, end_of_turn_id=eot)
     except (KeyError, ValueError) as e:
         raise DllmError(f"{path / 'config.json'}: {e if isinstance(e, ValueError) else f'missing field {e}'}") from None
+    padding = tokenizer.get_vocab().get(DLM_PAD)
+    if padding is not None:  # DiffuCoder fills the canvas after its answer with this token: the answer ends there
+        cfg = dataclasses.replace(cfg, stop_ids=tuple(sorted({*cfg.stop_ids, padding})))
     if dtype is None:
         dtype = torch.float32 if torch.device(device).type == "cpu" else parse_dtype(hf.get("torch_dtype", "bfloat16"))
     model = build_model(cfg, device, dtype)

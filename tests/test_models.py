@@ -180,3 +180,20 @@ def test_fused_projection_gives_the_same_parts_both_ways():
     one, per_part = fused_linear(x, layer, (8, 4, 4), per_part=False), fused_linear(x, layer, (8, 4, 4), per_part=True)
     assert [p.shape[-1] for p in one] == [8, 4, 4]
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(one, per_part))
+
+
+def test_same_layout_checkpoints_stop_where_their_answers_end(tmp_path):
+    """LLaDA-8B-Base/-Instruct/1.5 stop at <|endoftext|> 126081 and <|eot_id|> 126348 (the real ids, from the
+    presets); a Dream-layout checkpoint whose tokenizer has DiffuCoder's <|dlm_pad|> stops there too."""
+    from dllm.models import PRESETS
+
+    assert set(PRESETS["llada-8b"].stop_ids) == {126081, 126348}
+    model, tok = dllm.load("random:dream-tiny", seed=3)
+    save_pretrained(model, tok, tmp_path / "dream")
+    tok.add_special_tokens({"additional_special_tokens": ["<|dlm_pad|>"]})
+    save_pretrained(model, tok, tmp_path / "diffucoder")
+    plain, _ = dllm.load(str(tmp_path / "dream"))
+    padded, tok2 = dllm.load(str(tmp_path / "diffucoder"))
+    pad = tok2.convert_tokens_to_ids("<|dlm_pad|>")
+    assert pad not in plain.config.stop_ids
+    assert set(padded.config.stop_ids) == {*plain.config.stop_ids, pad}
