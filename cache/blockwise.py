@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from dllm.models import Rows
 from dllm.params import param
 
 from . import register
-from .base import Cache
+from .base import Cache, KVStore, PlanContext
 
 
 @register("none")
@@ -57,3 +58,28 @@ class DualCache(_Refreshing):
 
     def active_rows(self, step, start, end, length, shift):
         return slice(0, length) if self.full_step(step) else slice(start - shift, end)
+
+
+@register("block")
+@dataclass
+class BlockCache(Cache):
+    """The exact cache of block-causal models (SDAR; spec `block_diffusion_moe.md` section 1): a finished block
+    only attends to itself and earlier blocks, so its keys and values never change. The first forward after a
+    fresh store computes everything before the block's end (the prompt's blocks); each block-start forward also
+    recomputes the block just finished (its final tokens: SDAR's extra forward folded into the next one); every
+    other step computes the block alone. Equal to recomputing everything every step."""
+
+    compiles: ClassVar[bool] = True
+    block_fresh: ClassVar[bool] = True  # a fresh store at a block start recomputes what it needs
+    block_causal_only: ClassVar[bool] = True
+
+    def new_kv(self, model, batch: int, length: int) -> KVStore:
+        kv = super().new_kv(model, batch, length)
+        kv.final = 0  # rows before this hold their blocks' final keys and values
+        return kv
+
+    def plan(self, kv: KVStore, plan: PlanContext) -> Rows:
+        first = kv.final if plan.step == 0 else plan.start
+        if plan.step == 0:
+            kv.final = plan.start
+        return Rows(slice(min(first, plan.lo), max(plan.end, plan.hi)))

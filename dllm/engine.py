@@ -18,6 +18,7 @@ from . import cache as caches
 from . import samplers as samplers_mod
 from .errors import DllmError
 from .models import DiffusionLM, Rows
+from .models.transformer import visible_keys
 
 if TYPE_CHECKING:
     from .cache import Cache
@@ -169,9 +170,11 @@ class Runner:
             rows = Rows(torch.arange(length, device=model.device)[rows.index])
         if key_mask is not None and not self.cache.stores_kv:
             key_mask = key_mask[..., rows.index]
+        query_positions = caches.gather_rows(positions, rows)
+        key_mask = visible_keys(cfg, query_positions, positions if self.cache.stores_kv else query_positions,
+                                key_mask)
         began = _clock(model.device) if self.profile else 0.0
-        logits = self.run(caches.gather_rows(tokens, rows), caches.gather_rows(positions, rows), key_mask, kv,
-                          rows, slots.clamp(min=0))
+        logits = self.run(caches.gather_rows(tokens, rows), query_positions, key_mask, kv, rows, slots.clamp(min=0))
         if not rows.is_slice and rows.index.dim() == 2:  # rows served from the store predict nothing this step
             logits[slots < 0] = 0.0
         logits[..., cfg.mask_id] = float("-inf")  # a committed position must never stay masked
@@ -220,7 +223,20 @@ def check_policies(model: DiffusionLM, sampler: Sampler, cache: Cache, compile: 
     if sampler.drafts and not cache.verifies_drafts:
         raise DllmError(f"sampler {sampler.name!r} verifies drafts, which cache {cache.name!r} cannot do "
                         f"without changing its state; use cache none, prefix or dual")
+    if cache.block_causal_only and not cfg.block_size:
+        raise DllmError(f"cache {cache.name!r} is exact only under block-causal attention ({cfg.arch} attends to the "
+                        f"whole canvas); use prefix or dual")
+    if cfg.block_size and not cache.block_fresh:
+        raise DllmError(f"cache {cache.name!r} chooses rows for full attention; on a block-causal model "
+                        f"({cfg.arch}) use cache block (exact), none, prefix or dual")
     check_compile(cache, compile)
+
+
+def check_block_layout(model: DiffusionLM, block_length: int) -> None:
+    size = model.config.block_size
+    if size and block_length != size:
+        raise DllmError(f"block_length ({block_length}) must equal the model's attention block ({size}) on a "
+                        f"block-causal model ({model.config.arch}); use --block-length {size}")
 
 
 def check_compile(cache: Cache, compile: bool) -> None:
@@ -244,10 +260,12 @@ class Row:
     tokens never depend on the rows beside it."""
 
     prompt: list[int]
-    gen_length: int
+    gen_length: int  # answer positions
+    origin: int  # where its first block starts: the answer (len(prompt)), or on a block-causal model the
+    # attention block the prompt ends in, so that decoded blocks are the model's blocks (SDAR's layout)
     generator: torch.Generator
     tokens: Tensor  # [len(prompt) + gen_length] as of the last layout
-    decoded: int = 0  # answer positions before the current block (whole blocks), as of the last layout
+    decoded: int = 0  # positions from `origin` before the current block (whole blocks), as of the last layout
     finished: bool = False  # a stop token committed with nothing masked before it
 
 
@@ -267,6 +285,7 @@ class Batch:
                  stop_early: bool = True, trace: bool = False, profile: bool = False,
                  callback: Callable[[dict], None] | None = None, compile: bool = False):
         check_policies(model, sampler, cache, compile)
+        check_block_layout(model, block_length)
         self.model, self.sampler, self.cache = model, sampler, cache
         self.block_length, self.steps_per_block = block_length, steps_per_block
         self.stop_early, self.profile, self.callback, self.compile = stop_early, profile, callback, compile
@@ -284,10 +303,14 @@ class Batch:
                             f"recompute every row at each block start); start a new batch")
         if gen_length % self.block_length:
             raise DllmError(f"gen_length ({gen_length}) must be a multiple of block_length ({self.block_length})")
-        model = self.model
+        model, size = self.model, self.model.config.block_size
         Canvas.build(model, [prompt], gen_length)  # validates the prompt and the length
+        origin = len(prompt)
+        if size:  # whole attention blocks, the answer from the prompt's end to the end of its last block
+            origin = len(prompt) // size * size
+            gen_length = -(-(len(prompt) + gen_length) // size) * size - len(prompt)
         tokens = torch.tensor(list(prompt) + [model.config.mask_id] * gen_length, dtype=torch.long)
-        row = Row(list(prompt), gen_length, torch.Generator(device=model.device).manual_seed(seed), tokens)
+        row = Row(list(prompt), gen_length, origin, torch.Generator(device=model.device).manual_seed(seed), tokens)
         self._save()
         self.rows.append(row)
         self.canvas = None
@@ -313,14 +336,14 @@ class Batch:
     def answer(self, row: Row) -> list[int]:
         """`row`'s answer so far: the tokens of its decoded blocks, cut before the first stop token."""
         self._save()
-        ids = row.tokens[len(row.prompt):len(row.prompt) + row.decoded].tolist()
+        ids = row.tokens[len(row.prompt):row.origin + row.decoded].tolist()
         stops = self.model.config.stop_ids
         return ids[:next((i for i, t in enumerate(ids) if t in stops), len(ids))]
 
     def done(self, row: Row) -> bool:
         """Nothing left to decode: a stop committed, or every block of the row decoded."""
         self._save()
-        return row.finished or row.decoded >= row.gen_length
+        return row.finished or row.origin + row.decoded >= len(row.prompt) + row.gen_length
 
     @property
     def running(self) -> bool:
@@ -335,18 +358,18 @@ class Batch:
         for b, row in enumerate(self.rows):
             first = int(canvas.gen_start[b]) - len(row.prompt)
             row.tokens = canvas.tokens[b, first:first + len(row.tokens)].clone()
-            row.decoded = min(self.start - int(canvas.gen_start[b]), row.gen_length)
+            row.decoded = min(self.start - first - row.origin, len(row.tokens) - row.origin)
             row.finished = finished[b]
         self._saved = True
 
     def _layout(self) -> None:
         """Lay the rows out on a fresh canvas, current blocks aligned, with a fresh store and sampler state."""
         model, cfg, rows = self.model, self.model.config, self.rows
-        left = max(len(row.prompt) + row.decoded for row in rows)
-        length = left + max(row.gen_length - row.decoded for row in rows)
+        left = max(row.origin + row.decoded for row in rows)
+        length = left + max(len(row.tokens) - row.origin - row.decoded for row in rows)
         tokens = torch.full((len(rows), length), cfg.pad_id, dtype=torch.long)
         real = torch.zeros((len(rows), length), dtype=torch.bool)
-        gen_start = torch.tensor([left - row.decoded for row in rows])
+        gen_start = torch.tensor([left - row.origin - row.decoded + len(row.prompt) for row in rows])
         for b, row in enumerate(rows):
             first = int(gen_start[b]) - len(row.prompt)
             tokens[b, first:first + len(row.tokens)] = row.tokens

@@ -89,7 +89,7 @@ def _load_random(preset: str, device, dtype: torch.dtype, seed: int):
     cfg = PRESETS[preset]
     model = build_model(cfg, device, dtype)
     init_random(model, seed)
-    return model.eval(), build_char_tokenizer(cfg.arch)
+    return model.eval(), build_char_tokenizer(ARCHITECTURES_BY_NAME[cfg.arch].TOKENIZER_STYLE)
 
 
 def build_model(cfg: ModelConfig, device, dtype: torch.dtype) -> DiffusionLM:

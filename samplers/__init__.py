@@ -10,6 +10,6 @@ SAMPLERS = Registry("sampler")
 register = SAMPLERS.register
 
 from .base import Commit, Sampler, StepContext  # noqa: E402
-from . import llada, fastdllm, dream, research, speculative  # noqa: E402,F401,I001  (registers the built-in samplers, in order)
+from . import llada, fastdllm, dream, research, speculative, block_diffusion  # noqa: E402,F401,I001  (registers the built-in samplers, in order)
 
 __all__ = ["SAMPLERS", "Commit", "Sampler", "StepContext", "register"]

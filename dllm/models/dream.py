@@ -5,6 +5,7 @@ from __future__ import annotations
 from .transformer import ModelConfig
 
 MODEL_TYPE = "Dream"
+TOKENIZER_STYLE = "dream"  # of the character tokenizer a random: model gets
 END_OF_TURN = "<|im_end|>"
 
 _LAYER = "model.layers.{i}."

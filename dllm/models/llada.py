@@ -4,6 +4,7 @@ from __future__ import annotations
 from .transformer import ModelConfig
 
 MODEL_TYPE = "llada"
+TOKENIZER_STYLE = "llada"  # of the character tokenizer a random: model gets
 END_OF_TURN = "<|eot_id|>"
 
 # checkpoint name -> our parameter name ({i} = layer index)

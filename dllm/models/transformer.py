@@ -36,15 +36,18 @@ class ModelConfig:
     stop_ids: tuple[int, ...]  # a row's answer ends at the first of these
     filler_id: int  # written after the answer once a row has finished
     max_length: int  # longest canvas the model is meant for
+    head_size: int = 0  # per-head width when it is not hidden_size / n_heads (Qwen3: 128)
+    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3, SDAR)
+    block_size: int = 0  # > 0: block-causal attention, a position sees its own block and all earlier ones (SDAR)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.n_heads
+        return self.head_size or self.hidden_size // self.n_heads
 
     def num_parameters(self) -> int:
         d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        kv = self.n_kv_heads * self.head_dim
-        attn = d * d * 2 + 2 * d * kv + (d + 2 * kv if self.qkv_bias else 0)
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        attn = 2 * d * q + 2 * d * kv + (q + 2 * kv if self.qkv_bias else 0) + (2 * self.head_dim if self.qk_norm else 0)
         return 2 * v * d + d + self.n_layers * (attn + 3 * d * f + 2 * d)
 
 
@@ -110,8 +113,8 @@ def rope_frequencies(cfg: ModelConfig, device=None) -> Tensor:
 
 def fused_parts(cfg: ModelConfig) -> dict[str, dict[str, int]]:
     """Each fused projection's parts, in row order, with their sizes (output features)."""
-    d, kv, f = cfg.hidden_size, cfg.n_kv_heads * cfg.head_dim, cfg.intermediate_size
-    return {"qkv_proj": {"q": d, "k": kv, "v": kv}, "gate_up_proj": {"gate": f, "up": f}}
+    q, kv, f = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.intermediate_size
+    return {"qkv_proj": {"q": q, "k": kv, "v": kv}, "gate_up_proj": {"gate": f, "up": f}}
 
 
 def shard_rows(cfg: ModelConfig, shard: str) -> slice:
@@ -151,6 +154,16 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (xf * cos + rotated * sin).to(x.dtype)
 
 
+def visible_keys(cfg: ModelConfig, query_positions: Tensor, key_positions: Tensor,
+                 key_mask: Tensor | None) -> Tensor | None:
+    """Which keys each query sees, bool, broadcastable to `[B, 1, A, Lk]`: `key_mask` (padding), and on a
+    block-causal model (SDAR) only keys whose block (position // block_size) is not after the query's."""
+    if not cfg.block_size:
+        return key_mask
+    seen = (key_positions // cfg.block_size)[:, None, None, :] <= (query_positions // cfg.block_size)[:, None, :, None]
+    return seen if key_mask is None else seen & key_mask
+
+
 def attention_probabilities(q: Tensor, k: Tensor, key_mask: Tensor | None) -> Tensor:
     """softmax(q k^T / sqrt(D)) in fp32, `[B, H, R, Lk]`, for queries `[B, H, R, D]` and keys `[B, Hkv, Lk, D]`
     (GQA heads expanded); fused SDPA cannot return probabilities, so this is the small explicit path."""
@@ -170,7 +183,9 @@ class Block(nn.Module):
         self.qkv_sizes, self.gate_up_sizes = tuple(parts["qkv_proj"].values()), tuple(parts["gate_up_proj"].values())
         self.attn_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.qkv_proj = nn.Linear(d, sum(self.qkv_sizes), bias=cfg.qkv_bias)  # q, k, v in one matmul
-        self.o_proj = nn.Linear(d, d, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, d, bias=False)
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps), RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.mlp_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.gate_up_proj = nn.Linear(d, sum(self.gate_up_sizes), bias=False)  # gate, up in one matmul
         self.down_proj = nn.Linear(cfg.intermediate_size, d, bias=False)
@@ -182,6 +197,8 @@ class Block(nn.Module):
         q = rearrange(q, "b a (h d) -> b h a d", h=self.n_heads)
         k = rearrange(k, "b a (h d) -> b h a d", h=self.n_kv_heads)
         v = rearrange(v, "b a (h d) -> b h a d", h=self.n_kv_heads)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         if kv is not None:
             k, v = kv.update(layer, rows, q, k, v)
@@ -234,7 +251,7 @@ class DiffusionLM(nn.Module):
         """Push the active rows through the network.
 
         tokens, positions: `[B, A]` ids and RoPE positions of the active rows. key_mask: bool
-        `[B, 1, 1, Lk]` over the keys the queries see (None = all visible). kv: the cache's key/value supply
+        `[B, 1, 1 or A, Lk]` over the keys the queries see (None = all visible; `visible_keys`). kv: the cache's key/value supply
         (None = the active rows are the only keys). rows: which canvas rows the active ones are (None = all).
         logit_rows: `[B, C]` indices into the active rows whose hidden states go through the head (None = all).
         Returns raw (unshifted) logits `[B, C, V]`.
@@ -263,6 +280,7 @@ class DiffusionLM(nn.Module):
         attention_mask = attention_mask.bool()
         positions = (attention_mask.long().cumsum(1) - 1).clamp(min=0)
         key_mask = None if attention_mask.all() else attention_mask[:, None, None, :]
+        key_mask = visible_keys(self.config, positions, positions, key_mask)
         logits = self.run(input_ids, positions, key_mask, kv=None)
         if self.config.logit_shift:
             logits = torch.cat((logits[:, :1], logits[:, :-1]), dim=1)

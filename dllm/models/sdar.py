@@ -1,0 +1,70 @@
+"""SDAR (JetAstra/SDAR): Qwen3 with block-causal attention. Qwen3 checkpoint names, GQA, per-head q/k RMSNorm
+before RoPE, head_dim 128 whatever the width, no biases, position-aligned logits; a position sees its own block
+of `block_size` and every earlier block (spec `block_diffusion_moe.md` section 1)."""
+from __future__ import annotations
+
+from .transformer import ModelConfig
+
+MODEL_TYPE = "sdar"
+END_OF_TURN = "<|im_end|>"
+TOKENIZER_STYLE = "dream"  # the Qwen chat format
+
+_LAYER = "model.layers.{i}."
+WEIGHT_NAMES = {
+    "model.embed_tokens.weight": "embed.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "lm_head.weight",
+    _LAYER + "input_layernorm.weight": "layers.{i}.attn_norm.weight",
+    **{_LAYER + f"self_attn.{p}_proj.weight": f"layers.{{i}}.qkv_proj.weight:{p}" for p in "qkv"},
+    _LAYER + "self_attn.q_norm.weight": "layers.{i}.q_norm.weight",
+    _LAYER + "self_attn.k_norm.weight": "layers.{i}.k_norm.weight",
+    _LAYER + "self_attn.o_proj.weight": "layers.{i}.o_proj.weight",
+    _LAYER + "post_attention_layernorm.weight": "layers.{i}.mlp_norm.weight",
+    _LAYER + "mlp.gate_proj.weight": "layers.{i}.gate_up_proj.weight:gate",
+    _LAYER + "mlp.up_proj.weight": "layers.{i}.gate_up_proj.weight:up",
+    _LAYER + "mlp.down_proj.weight": "layers.{i}.down_proj.weight",
+}
+
+
+def config_from_hf(hf: dict, end_of_turn_id: int | None = None) -> ModelConfig:
+    for key in ("tie_word_embeddings", "attention_bias", "use_sliding_window", "rope_scaling"):
+        if hf.get(key):
+            raise ValueError(f"config.json has {key}={hf[key]!r}; this SDAR implementation does not support it")
+    eos = hf.get("eos_token_id", 151643)
+    eot = end_of_turn_id if end_of_turn_id is not None else 151645
+    heads = hf["num_attention_heads"]
+    return ModelConfig(
+        arch="sdar", vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"], n_layers=hf["num_hidden_layers"], n_heads=heads,
+        n_kv_heads=hf.get("num_key_value_heads") or heads, rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=hf.get("rope_theta", 1000000.0), qkv_bias=False, logit_shift=0, mask_id=hf["mask_token_id"],
+        pad_id=hf.get("pad_token_id", eos), stop_ids=tuple(sorted({eos, eot})), filler_id=eos,
+        max_length=hf.get("max_position_embeddings", 32768), head_size=hf.get("head_dim") or 0, qk_norm=True,
+        block_size=hf["block_size"])
+
+
+def hf_config(cfg: ModelConfig) -> dict:
+    return {"model_type": MODEL_TYPE, "architectures": ["SDARForCausalLM"], "hidden_size": cfg.hidden_size,
+            "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+            "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+            "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size,
+            "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "hidden_act": "silu",
+            "attention_bias": False, "tie_word_embeddings": False, "max_position_embeddings": cfg.max_length,
+            "block_size": cfg.block_size, "mask_token_id": cfg.mask_id, "eos_token_id": cfg.filler_id,
+            "pad_token_id": cfg.pad_id, "bos_token_id": cfg.filler_id}
+
+
+def _preset(d, layers, heads, kv_heads, head_dim, ff, vocab, block=4, max_length=32768, **ids) -> ModelConfig:
+    ids = ids or dict(mask_id=vocab - 1, pad_id=vocab - 2, stop_ids=(vocab - 3, vocab - 2), filler_id=vocab - 2)
+    return ModelConfig(arch="sdar", vocab_size=vocab, hidden_size=d, intermediate_size=ff, n_layers=layers,
+                       n_heads=heads, n_kv_heads=kv_heads, rms_norm_eps=1e-6, rope_theta=1000000.0, qkv_bias=False,
+                       logit_shift=0, max_length=max_length, head_size=head_dim, qk_norm=True, block_size=block,
+                       **ids)
+
+
+_QWEN3_IDS = dict(mask_id=151669, pad_id=151643, stop_ids=(151643, 151645), filler_id=151643)
+PRESETS = {
+    "sdar-4b": _preset(2560, 36, 32, 8, 128, 9728, 151936, **_QWEN3_IDS),  # ../shared/data/sdar-4b-chat
+    "sdar-8b": _preset(4096, 36, 32, 8, 128, 12288, 151936, **_QWEN3_IDS),
+    "sdar-tiny": _preset(64, 2, 4, 2, 32, 96, 128, max_length=512),
+}
