@@ -2,9 +2,11 @@
 # The GPU table of BENCHMARKS.md in one command: `dllm bench` on random:llada-8b in bf16, caches none and dual,
 # batch 1 and 8, eager and --compile; ms per full and per cached (32-row) forward against the weight-read floor
 # (the bf16 weights read once per forward at the HBM bandwidth of the card). COMPILE=0 skips the compiled runs.
+# Then the block-diffusion model random:sdar-8b with its exact block cache (block 4), batch 1 and 8, eager;
+# SDAR_MODEL= (empty) skips it.
 #
 #   scripts/gpu_bench.sh                         # writes runs/gpu-bench/*.json and prints the Markdown table
-#   MODEL=random:llada-tiny DEVICE=cpu DTYPE=float32 GEN=64 scripts/gpu_bench.sh   # a dry run without a GPU
+#   MODEL=random:llada-tiny SDAR_MODEL=random:sdar-tiny DEVICE=cpu DTYPE=float32 GEN=64 scripts/gpu_bench.sh
 set -euo pipefail
 MODEL=${MODEL:-random:llada-8b}
 DEVICE=${DEVICE:-cuda}
@@ -12,6 +14,7 @@ DTYPE=${DTYPE:-bfloat16}
 GEN=${GEN:-256}
 OUT=${OUT:-runs/gpu-bench}
 COMPILE=${COMPILE:-1}
+SDAR_MODEL=${SDAR_MODEL-random:sdar-8b}
 mkdir -p "$OUT"
 modes="eager"
 [ "$COMPILE" = 1 ] && modes="eager compile"
@@ -26,6 +29,12 @@ for mode in $modes; do
     done
   done
 done
+if [ -n "$SDAR_MODEL" ]; then
+  for batch in 1 8; do
+    dllm bench --model "$SDAR_MODEL" --device "$DEVICE" --dtype "$DTYPE" --sampler low_confidence --cache block \
+      --gen-length "$GEN" --block-length 4 --batch-size "$batch" --repeats 2 --json > "$OUT/sdar-block-b$batch.json"
+  done
+fi
 python - "$OUT" <<'EOF'
 import json
 import sys
@@ -41,14 +50,14 @@ for path in sorted(Path(sys.argv[1]).glob("*.json")):
     ms = r["ms_per_forward"]
     cached = ms.get("cached")
     mode = "compile" if r["config"].get("compile") else "eager"
-    rows.append(f"| {r['config']['cache']['name']} | {mode} | {r['config']['batch_size']} | {ms['full']:.2f} | "
-                + (f"{cached:.2f}" if cached else "-") + " | "
+    full = f"{ms['full']:.2f}" if "full" in ms else "-"
+    rows.append(f"| {r['model']['arch']} | {r['config']['cache']['name']} | {mode} | {r['config']['batch_size']} | "
+                f"{full} | " + (f"{cached:.2f}" if cached else "-") + " | "
                 + (f"{floor:.2f} | {(cached or ms['full']) / floor:.2f}x" if floor else "- | -")
                 + f" | {r['tokens_per_second']:.0f} | {r['peak_mb']:.0f} |")
-print(f"{r['model']['arch']} {r['model']['parameters'] / 1e9:.2f}B {r['model']['dtype']} on {r['device']}, "
-      f"gen {r['config']['gen_length']}, block 32\n")
-print("| cache | mode | batch | ms per full forward | ms per cached forward | weight-read floor ms "
+print(f"{r['model']['dtype']} on {r['device']}, gen {r['config']['gen_length']}, block 32 (sdar: 4)\n")
+print("| model | cache | mode | batch | ms per full forward | ms per cached forward | weight-read floor ms "
       "| cached (or full) / floor | tokens/s | peak MB |")
-print("|---|---|---|---|---|---|---|---|---|")
+print("|---|---|---|---|---|---|---|---|---|---|")
 print("\n".join(rows))
 EOF
