@@ -624,10 +624,12 @@ DEFAULT_BLOCK_LENGTH = 32
 def decoding_lengths(model: DiffusionLM, gen_length: int | None = None, block_length: int | None = None,
                      steps: int | None = None) -> dict[str, int | None]:
     """gen_length, block_length and steps to decode with: the caller's, else the model directory's
-    (`generation_config.json`), else ours. Validated, so a bad value fails before any work."""
+    (`generation_config.json`), else ours (block_length: a block-causal model's attention block). Validated, so a
+    bad value fails before any work."""
     own = getattr(model, "generation_defaults", {})
     gen_length = own.get("gen_length", DEFAULT_GEN_LENGTH) if gen_length is None else gen_length
-    block_length = own.get("block_length", DEFAULT_BLOCK_LENGTH) if block_length is None else block_length
+    if block_length is None:  # a block-causal model decodes in its attention blocks
+        block_length = own.get("block_length", model.config.block_size or DEFAULT_BLOCK_LENGTH)
     if steps is None:
         steps = own.get("steps")
     check_lengths(gen_length, block_length, steps)

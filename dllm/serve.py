@@ -295,13 +295,13 @@ class Engine:
 
     def _deliver(self, batch: Batch, row, job: Job, now: float) -> None:
         """Send the text of `row`'s newly decoded blocks; at its end the finish reason and usage."""
-        ids, finished, stop_token = batch.answer(row), batch.done(row), row.finished
-        limit = job.max_tokens if job.max_tokens is not None else job.lengths["gen_length"]
-        ids = ids[:limit]
+        answer, finished, stop_token = batch.answer(row), batch.done(row), row.finished
+        over = job.max_tokens is not None and len(answer) > job.max_tokens  # cut at max_tokens
+        ids = answer[:job.max_tokens] if job.max_tokens is not None else answer
         text = self.tokenizer.decode([t for t in ids if t < len(self.tokenizer)], skip_special_tokens=True)
         hits = [i for i in (text.find(s) for s in job.stop) if i >= 0]
         text = text[:min(hits)] if hits else text
-        done = finished or len(ids) >= limit or bool(hits)
+        done = finished or bool(hits) or job.max_tokens is not None and len(ids) >= job.max_tokens
         if done or not text.endswith("\ufffd"):  # a character split between blocks waits for its end
             delta, job.text = text[len(job.text):], text
             if delta and job.stream:
@@ -311,7 +311,7 @@ class Engine:
         if not finished:
             batch.cancel(row)  # complete at max_tokens or a stop string: the row stops decoding
         job.delivered = True
-        reason = "stop" if hits or stop_token and len(batch.answer(row)) <= limit else "length"
+        reason = "stop" if hits or stop_token and not over else "length"
         usage = {"prompt_tokens": len(job.ids), "completion_tokens": len(ids), "total_tokens": len(job.ids) + len(ids)}
         job.send("done", text=job.text, finish_reason=reason, usage=usage)
         metrics = self.metrics

@@ -150,3 +150,21 @@ def test_block_layout_errors(model):
     llada = dllm.load("random:llada-tiny")[0]
     with pytest.raises(DllmError, match="cache 'block' is exact only under block-causal attention"):
         run(llada, PROMPTS, "threshold", "block")
+
+
+def test_generate_and_serve_default_to_the_models_block():
+    """No --block-length: a block-causal model decodes in its own attention blocks, through the CLI and the
+    server alike (a served answer equals generate's)."""
+    pytest.importorskip("fastapi")
+    from dllm.cli import main
+    from dllm.serve import Engine, LocalServer, post
+
+    assert main(["generate", "--model", "random:sdar-tiny", "--cache", "block", "--no-chat", "abc"]) == 0
+    model, tok = dllm.load("random:sdar-tiny")
+    want = dllm.generate(model, tok, "abc", cache="block", chat=False)
+    defaults = {"sampler": "low_confidence", "cache": "block", "sampler_args": {}, "cache_args": {},
+                "gen_length": None, "block_length": None, "steps": None, "seed": 0}
+    with LocalServer(Engine(model, tok, "random:sdar-tiny", defaults)) as local:
+        status, answer = post(local.url + "/v1/completions", {"prompt": "abc"})
+    assert status == 200 and answer["choices"][0]["text"] == want.texts[0]
+    assert answer["usage"]["completion_tokens"] == len(want.token_ids[0])
