@@ -3,6 +3,7 @@ before RoPE, head_dim 128 whatever the width, no biases, position-aligned logits
 of `block_size` and every earlier block (spec `block_diffusion_moe.md` section 1)."""
 from __future__ import annotations
 
+from . import dream
 from .transformer import ModelConfig
 
 MODEL_TYPE = "sdar"
@@ -10,19 +11,10 @@ END_OF_TURN = "<|im_end|>"
 TOKENIZER_STYLE = "dream"  # the Qwen chat format
 
 _LAYER = "model.layers.{i}."
-WEIGHT_NAMES = {
-    "model.embed_tokens.weight": "embed.weight",
-    "model.norm.weight": "norm.weight",
-    "lm_head.weight": "lm_head.weight",
-    _LAYER + "input_layernorm.weight": "layers.{i}.attn_norm.weight",
-    **{_LAYER + f"self_attn.{p}_proj.weight": f"layers.{{i}}.qkv_proj.weight:{p}" for p in "qkv"},
+WEIGHT_NAMES = {  # Qwen3's names: Qwen2's (Dream's table) without the q/k/v biases, plus the per-head norms
+    **{ckpt: ours for ckpt, ours in dream.WEIGHT_NAMES.items() if not ckpt.endswith(".bias")},
     _LAYER + "self_attn.q_norm.weight": "layers.{i}.q_norm.weight",
     _LAYER + "self_attn.k_norm.weight": "layers.{i}.k_norm.weight",
-    _LAYER + "self_attn.o_proj.weight": "layers.{i}.o_proj.weight",
-    _LAYER + "post_attention_layernorm.weight": "layers.{i}.mlp_norm.weight",
-    _LAYER + "mlp.gate_proj.weight": "layers.{i}.gate_up_proj.weight:gate",
-    _LAYER + "mlp.up_proj.weight": "layers.{i}.gate_up_proj.weight:up",
-    _LAYER + "mlp.down_proj.weight": "layers.{i}.down_proj.weight",
 }
 
 
