@@ -100,3 +100,37 @@ def test_factor_count_at_the_bars(factor, compat):
     rule = reference_factor if compat else spec_factor
     want = [len(rule(row, [i < k for i in range(C)], factor)) for row, k in zip(ranked.tolist(), left.tolist())]
     assert sum(a != b for a, b in zip(ours, want)) == 0
+
+
+def reference_dynamic(conf, eligible, scheduled, threshold):
+    """JetAstra/SDAR `generate.py` `low_confidence_dynamic`, one row: every masked position above the threshold
+    when there are at least the step's scheduled count of them, else the scheduled count of the most confident
+    (the toolkit breaks ties towards the lowest position)."""
+    masked = [i for i in range(len(conf)) if eligible[i]]
+    high = {i for i in masked if conf[i] > threshold}
+    if len(high) >= scheduled:
+        return high
+    return set(sorted(masked, key=lambda i: (-conf[i], i))[:scheduled])
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 8])
+@pytest.mark.parametrize("threshold", [0.5, 0.85])
+def test_low_confidence_dynamic_equals_sdars_rule(steps, threshold):
+    """At every step of the schedule (the block split evenly, larger shares first), on steps where the scheduled
+    count is at least 1 and at most the masks left (outside those, SDAR's top-k would commit no position, or
+    positions already decoded; the toolkit commits one, or what is left)."""
+    logits, eligible = random_step(4000, 1.0, seed=steps)
+    conf = token_probability(logits, logits.argmax(-1)).double().tolist()
+    checked = 0
+    for step in range(steps):
+        scheduled = C // steps + int(step < C % steps)
+        ctx = StepContext(logits, eligible, eligible.clone(), torch.arange(C), torch.zeros(4000, C, dtype=torch.long),
+                          step, steps, 0, [None] * 4000, 0, steps, 0, C, 0, SimpleNamespace())
+        ours = samplers.SAMPLERS.create("low_confidence_dynamic", threshold=threshold).step(ctx).mask
+        for b in range(4000):
+            left = int(eligible[b].sum())
+            if 1 <= scheduled <= left:
+                checked += 1
+                assert {i for i in range(C) if ours[b, i]} == reference_dynamic(conf[b], eligible[b].tolist(),
+                                                                                   scheduled, threshold)
+    assert checked >= 100  # rows where the rule applies (many masks left are rarer in random_step)
