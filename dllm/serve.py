@@ -50,6 +50,8 @@ class Job:
     stream: bool
     chat: bool
     key: tuple  # requests with equal keys can share a batch
+    steps_per_block: int = 0
+    stop_early: bool = True
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None
     cancelled: bool = False
@@ -109,6 +111,7 @@ class Engine:
         self.draining = self.stopping = False
         self.key: tuple | None = None  # the running batch's Job.key
         self.forwards = self.committed = 0
+        self.samplers: dict[tuple, Any] = {}  # prepared samplers by configuration, least recently used first
         self.thread = threading.Thread(target=self._run, name="dllm-engine", daemon=True)
 
     # -- requests ---------------------------------------------------------------------------------------------
@@ -155,14 +158,30 @@ class Engine:
         seed = check_int("seed", body.get("seed", d["seed"]))
         Canvas.build(self.model, [ids], lengths["gen_length"])  # prompt too long etc.
         check_policies(self.model, sampler, cache, self.compile)
-        sampler.prepare(self.tokenizer)
+        sampler_key = (sampler.name, json.dumps(sampler.config(), sort_keys=True, default=str))
+        sampler = self._prepared(sampler_key, sampler)
         block, gen = lengths["block_length"], lengths["gen_length"]
         steps_per_block = (lengths["steps"] or gen) // (gen // block)
-        key = (sampler.name, json.dumps(sampler.config(), sort_keys=True, default=str), cache.name,
-               json.dumps(cache.config(), sort_keys=True, default=str), block, steps_per_block, not ignore_eos)
+        key = (*sampler_key, cache.name, json.dumps(cache.config(), sort_keys=True, default=str), block,
+               steps_per_block, not ignore_eos)
         if not (sampler.block_local and cache.block_fresh):
             key += (gen,)  # a batch that runs to its end decodes one layout
-        return Job(ids, lengths, max_tokens, seed, sampler, cache, stop, stream, chat, key)
+        return Job(ids, lengths, max_tokens, seed, sampler, cache, stop, stream, chat, key,
+                   steps_per_block=steps_per_block, stop_early=not ignore_eos)
+
+    def _prepared(self, key: tuple, sampler):
+        """One prepared sampler object per configuration (the last 32 used): `prepare` reads the tokenizer once
+        (AdaBlock scans the whole vocabulary), and a sampler keeps no per-run state, so requests share it."""
+        with self.cond:
+            known = self.samplers.pop(key, None)
+        if known is None:
+            sampler.prepare(self.tokenizer)
+            known = sampler
+        with self.cond:
+            self.samplers[key] = known
+            while len(self.samplers) > 32:
+                self.samplers.pop(next(iter(self.samplers)))
+        return known
 
     def _prompt_ids(self, body: dict, chat: bool) -> list[int]:
         tok = self.tokenizer
@@ -256,7 +275,7 @@ class Engine:
                 try:
                     if batch is None:
                         batch = self.batch = Batch(self.model, job.sampler, job.cache, job.lengths["block_length"],
-                                                   job.key[5], stop_early=job.key[6], compile=self.compile,
+                                                   job.steps_per_block, stop_early=job.stop_early, compile=self.compile,
                                                    callback=self._step)
                         self.key = job.key
                     row = batch.add(job.ids, job.lengths["gen_length"], job.seed)

@@ -192,7 +192,8 @@ def test_sigterm_finishes_requests_in_flight_and_refuses_new_ones(tiny, tmp_path
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "dllm.cli", "serve", "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         for _ in range(600):
             try:
@@ -240,7 +241,25 @@ def test_readme_requests_answer_right(server):
             status, answer = post(server.url + path, body)
             text = text_of(answer)
         assert extract_answer(text) == solve(prompt), raw
-    sent = re.search(r"messages=\[\{\"role\": \"user\", \"content\": \"(.*?)\"\}\],\s*extra_body=(\{.*?\}\))", readme, re.S)
+    sent = re.search(r"messages=\[\{\"role\": \"user\", \"content\": \"(.*?)\"\}\],\s*extra_body=(\{.*?\}\))",
+                     readme, re.S)
     prompt, extra = sent.group(1), json.loads(sent.group(2)[:-1])
     status, answer = post(server.url + "/v1/chat/completions", chat(prompt, **extra))
     assert extract_answer(text_of(answer)) == solve(prompt)
+
+
+def test_a_sampler_configuration_is_prepared_once(server, monkeypatch):
+    """AdaBlock reads its delimiter ids from the tokenizer (a whole-vocabulary scan): two requests with one
+    configuration prepare one sampler object, which both use."""
+    from dllm.samplers.research import AdaBlock
+
+    calls = []
+    original = AdaBlock.prepare
+    monkeypatch.setattr(AdaBlock, "prepare", lambda self, tok: (calls.append(self), original(self, tok)))
+    body = chat("copy: abcd", sampler="adablock", delimiter_threshold=0.5)
+    jobs = [server.engine.job(body, chat=True) for _ in range(2)]
+    assert len(calls) == 1 and jobs[0].sampler is jobs[1].sampler
+    server.engine.job(chat("copy: abcd", sampler="adablock", delimiter_threshold=0.6), chat=True)
+    assert len(calls) == 2
+    status, answer = post(server.url + "/v1/chat/completions", body)
+    assert status == 200 and len(calls) == 2

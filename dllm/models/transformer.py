@@ -47,7 +47,8 @@ class ModelConfig:
     def num_parameters(self) -> int:
         d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        attn = 2 * d * q + 2 * d * kv + (q + 2 * kv if self.qkv_bias else 0) + (2 * self.head_dim if self.qk_norm else 0)
+        attn = 2 * d * q + 2 * d * kv + (q + 2 * kv if self.qkv_bias else 0)
+        attn += 2 * self.head_dim if self.qk_norm else 0
         return 2 * v * d + d + self.n_layers * (attn + 3 * d * f + 2 * d)
 
 
@@ -251,8 +252,8 @@ class DiffusionLM(nn.Module):
         """Push the active rows through the network.
 
         tokens, positions: `[B, A]` ids and RoPE positions of the active rows. key_mask: bool
-        `[B, 1, 1 or A, Lk]` over the keys the queries see (None = all visible; `visible_keys`). kv: the cache's key/value supply
-        (None = the active rows are the only keys). rows: which canvas rows the active ones are (None = all).
+        `[B, 1, 1 or A, Lk]` over the keys the queries see (None = all visible; `visible_keys`). kv: the cache's
+        key/value supply (None = the active rows are the only keys). rows: which canvas rows the active ones are (None = all).
         logit_rows: `[B, C]` indices into the active rows whose hidden states go through the head (None = all).
         Returns raw (unshifted) logits `[B, C, V]`.
         """
