@@ -253,9 +253,9 @@ class DiffusionLM(nn.Module):
 
         tokens, positions: `[B, A]` ids and RoPE positions of the active rows. key_mask: bool
         `[B, 1, 1 or A, Lk]` over the keys the queries see (None = all visible; `visible_keys`). kv: the cache's
-        key/value supply (None = the active rows are the only keys). rows: which canvas rows the active ones are (None = all).
-        logit_rows: `[B, C]` indices into the active rows whose hidden states go through the head (None = all).
-        Returns raw (unshifted) logits `[B, C, V]`.
+        key/value supply (None = the active rows are the only keys). rows: which canvas rows the active ones are
+        (None = all). logit_rows: `[B, C]` indices into the active rows whose hidden states go through the head
+        (None = all). Returns raw (unshifted) logits `[B, C, V]`.
         """
         rows = Rows(slice(0, tokens.shape[1])) if rows is None else rows
         x = self.embed(tokens)
