@@ -63,8 +63,9 @@ class Canvas:
     gen_start: Tensor  # [B] where each row's generation starts ...
     gen_end: Tensor  # [B] ... and ends (right padding after it, when rows of a batch differ)
 
-    @classmethod
-    def build(cls, model: DiffusionLM, prompts: list[list[int]], gen_length: int) -> "Canvas":
+    @staticmethod
+    def check(model: DiffusionLM, prompts: list[list[int]], gen_length: int) -> None:
+        """Every prompt can be decoded with `gen_length` answer tokens (else the one-line reason)."""
         cfg = model.config
         if not prompts:
             raise DllmError("no prompts given; pass at least one prompt")
@@ -80,18 +81,34 @@ class Canvas:
         if length > cfg.max_length:
             raise DllmError(f"prompt ({width} tokens) + gen_length ({gen_length}) = {length} exceeds the model's "
                             f"context of {cfg.max_length}; shorten the prompt or lower gen_length")
-        tokens = torch.full((len(prompts), length), cfg.pad_id, dtype=torch.long)
-        real = torch.ones((len(prompts), length), dtype=torch.bool)
-        for row, ids in enumerate(prompts):
-            tokens[row, width - len(ids):width] = torch.tensor(ids, dtype=torch.long)
-            real[row, :width - len(ids)] = False
-        tokens[:, width:] = cfg.mask_id
+
+    @classmethod
+    def build(cls, model: DiffusionLM, prompts: list[list[int]], gen_length: int) -> "Canvas":
+        """The left-padded canvas of a fresh batch: prompts, then `gen_length` masks each."""
+        cls.check(model, prompts, gen_length)
+        mask = model.config.mask_id
+        rows = [torch.tensor(list(ids) + [mask] * gen_length, dtype=torch.long) for ids in prompts]
+        return cls.lay_out(model, rows, [len(ids) for ids in prompts], [len(ids) for ids in prompts])
+
+    @classmethod
+    def lay_out(cls, model: DiffusionLM, rows: list[Tensor], before: list[int], prompt_lengths: list[int]
+                ) -> "Canvas":
+        """`rows` of tokens (prompt, then answer), padded left and right so that the first `before[b]` tokens of
+        every row end at one column: the answer's start in a fresh batch, the current block's when rows joined
+        between blocks (`Batch`). RoPE positions count each row's real tokens from 0."""
+        cfg, device = model.config, model.device
+        left = max(before)
+        length = left + max(len(t) - n for t, n in zip(rows, before))
+        tokens = torch.full((len(rows), length), cfg.pad_id, dtype=torch.long)
+        real = torch.zeros((len(rows), length), dtype=torch.bool)
+        for b, (row, n) in enumerate(zip(rows, before)):
+            tokens[b, left - n:left - n + len(row)] = row
+            real[b, left - n:left - n + len(row)] = True
         positions = (real.long().cumsum(1) - 1).clamp(min=0)
-        key_mask = None if real.all() else real[:, None, None, :]
-        device = model.device
-        gen_start = torch.full((len(prompts),), width, device=device)
-        return cls(tokens.to(device), positions.to(device), None if key_mask is None else key_mask.to(device), width,
-                   gen_start, gen_start + gen_length)
+        key_mask = None if real.all() else real[:, None, None, :].to(device)
+        gen_start = torch.tensor([left - n + p for n, p in zip(before, prompt_lengths)], device=device)
+        gen_end = gen_start + torch.tensor([len(t) - p for t, p in zip(rows, prompt_lengths)], device=device)
+        return cls(tokens.to(device), positions.to(device), key_mask, int(gen_start.min()), gen_start, gen_end)
 
 
 def check_int(name: str, value: Any, minimum: int | None = None) -> int:
@@ -291,8 +308,10 @@ class Batch:
         self.stop_early, self.profile, self.callback, self.compile = stop_early, profile, callback, compile
         self.joins_between_blocks = sampler.block_local and cache.block_fresh
         self.rows: list[Row] = []
-        self.stats, self.trace = Stats(batch=0), [] if trace else None
+        self.stats, self.trace = Stats(batch=0, rows_per_layer=[0] * model.config.n_layers), [] if trace else None
         self.canvas: Canvas | None = None  # None: rows changed since the last layout
+        self.runner: Runner | None = None
+        self._saved = True  # the rows hold what the canvas holds
         self.block = 0  # blocks run
 
     def add(self, prompt: list[int], gen_length: int, seed: int = 0) -> Row:
@@ -304,7 +323,7 @@ class Batch:
         if gen_length % self.block_length:
             raise DllmError(f"gen_length ({gen_length}) must be a multiple of block_length ({self.block_length})")
         model, size = self.model, self.model.config.block_size
-        Canvas.build(model, [prompt], gen_length)  # validates the prompt and the length
+        Canvas.check(model, [prompt], gen_length)
         origin = len(prompt)
         if size:  # whole attention blocks, the answer from the prompt's end to the end of its last block
             origin = len(prompt) // size * size
@@ -318,7 +337,7 @@ class Batch:
 
     def remove(self, row: Row) -> None:
         """Take `row` out between blocks (finished, out of blocks, or cancelled)."""
-        if not self.joins_between_blocks and self.block and len(self.rows) > 1:
+        if not self.joins_between_blocks and self.block:
             raise DllmError(f"sampler {self.sampler.name!r} with cache {self.cache.name!r} cannot drop rows from a "
                             f"running batch; let it finish")
         self._save()
@@ -364,38 +383,24 @@ class Batch:
 
     def _layout(self) -> None:
         """Lay the rows out on a fresh canvas, current blocks aligned, with a fresh store and sampler state."""
-        model, cfg, rows = self.model, self.model.config, self.rows
-        left = max(row.origin + row.decoded for row in rows)
-        length = left + max(len(row.tokens) - row.origin - row.decoded for row in rows)
-        tokens = torch.full((len(rows), length), cfg.pad_id, dtype=torch.long)
-        real = torch.zeros((len(rows), length), dtype=torch.bool)
-        gen_start = torch.tensor([left - row.origin - row.decoded + len(row.prompt) for row in rows])
-        for b, row in enumerate(rows):
-            first = int(gen_start[b]) - len(row.prompt)
-            tokens[b, first:first + len(row.tokens)] = row.tokens
-            real[b, first:first + len(row.tokens)] = True
-        positions = (real.long().cumsum(1) - 1).clamp(min=0)
-        key_mask = None if real.all() else real[:, None, None, :]
-        device = model.device
-        self.canvas = Canvas(tokens.to(device), positions.to(device), None if key_mask is None else key_mask.to(device),
-                             int(gen_start.min()), gen_start.to(device),
-                             torch.tensor([row.gen_length for row in rows], device=device) + gen_start.to(device))
-        self.start, self._saved = left, False
+        model, rows = self.model, self.rows
+        before = [row.origin + row.decoded for row in rows]  # tokens left of the current block
+        self.canvas = Canvas.lay_out(model, [row.tokens for row in rows], before, [len(row.prompt) for row in rows])
+        self.start, self._saved = max(before), False
         self._count_store()
-        self.runner = Runner(model, self.canvas, self.cache, self.cache.new_kv(model, len(rows), length), self.stats,
-                             self.profile, self.compile)
+        self.runner = Runner(model, self.canvas, self.cache, self.cache.new_kv(model, *self.canvas.tokens.shape),
+                             self.stats, self.profile, self.compile)
         self.stats.batch = max(self.stats.batch, len(rows))
         self.state = SimpleNamespace()  # the sampler's per-run state
         self.generators = [row.generator for row in rows]
-        self.finished = torch.tensor([row.finished for row in rows], dtype=torch.bool, device=device)
+        self.finished = torch.tensor([row.finished for row in rows], dtype=torch.bool, device=model.device)
         self.masked_at_plan = None  # the canvas's masks when the last forward was planned
 
     def _count_store(self) -> None:
-        runner = getattr(self, "runner", None)
-        if runner is not None:
-            kv = runner.kv
-            self.stats.rows_per_layer = [a + b for a, b in zip(kv.rows_per_layer, self.stats.rows_per_layer)] \
-                if self.stats.rows_per_layer else list(kv.rows_per_layer)
+        """Add the retiring store's row counts to the statistics."""
+        if self.runner is not None:
+            kv = self.runner.kv
+            self.stats.rows_per_layer = [a + b for a, b in zip(kv.rows_per_layer, self.stats.rows_per_layer)]
             self.stats.cache_bytes = max(self.stats.cache_bytes, kv.nbytes)
             self.runner = None
 
@@ -508,7 +513,7 @@ def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache
     `stats.forward_seconds` by kind: `full` (every canvas row computed), `cached` (the other rows read from the
     cache), `verify` (draft batches). See `Batch` for `callback` and `compile`."""
     steps_per_block = check_lengths(gen_length, block_length, steps)
-    Canvas.build(model, prompts, gen_length)  # every prompt's error before any work
+    Canvas.check(model, prompts, gen_length)  # every prompt's error before any work
     batch = Batch(model, sampler, cache, block_length, steps_per_block, stop_early, trace, profile, callback, compile)
     for ids in prompts:
         batch.add(ids, gen_length, seed)

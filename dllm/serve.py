@@ -156,7 +156,7 @@ class Engine:
         lengths = lengths_for_answer(decoding_lengths(self.model, **layout), max_tokens)
         lengths = decoding_lengths(self.model, **lengths)  # validated again after rounding
         seed = check_int("seed", body.get("seed", d["seed"]))
-        Canvas.build(self.model, [ids], lengths["gen_length"])  # prompt too long etc.
+        Canvas.check(self.model, [ids], lengths["gen_length"])  # prompt too long etc.
         check_policies(self.model, sampler, cache, self.compile)
         sampler_key = (sampler.name, json.dumps(sampler.config(), sort_keys=True, default=str))
         sampler = self._prepared(sampler_key, sampler)
@@ -542,9 +542,9 @@ def bench_serve(model, tokenizer, name: str, defaults: dict[str, Any], max_batch
     loopback server, and of the same prompts decoded one after another with `dllm.generate`; every served answer
     is compared with its sequential one."""
     from .engine import generate
-    from .eval.synthetic import make_split
+    from .eval.synthetic import FAMILIES, make_split
 
-    prompts = [ex.prompt for ex in make_split("test", -(-requests // 5), seed=seed)][:requests]
+    prompts = [ex.prompt for ex in make_split("test", -(-requests // len(FAMILIES)), seed=seed)][:requests]
     engine = Engine(model, tokenizer, name, defaults, max_batch, compile)
     bodies = [{"messages": [{"role": "user", "content": p}]} for p in prompts]
     job = engine.job(bodies[0], chat=True)  # the decoding every request gets

@@ -27,7 +27,7 @@ class LowConfidenceDynamic(Sampler):
         size, eligible = ctx.block_end - ctx.block_start, ctx.eligible
         scheduled = size // ctx.steps + int(ctx.step < size % ctx.steps) if ctx.step < ctx.steps else size
         above = eligible & (confidence > self.threshold)
-        count = torch.clamp(torch.full_like(eligible[:, 0], scheduled, dtype=torch.long), min=1)
+        count = torch.full_like(eligible[:, 0], max(scheduled, 1), dtype=torch.long)  # >= 1: the loop's rule
         enough = above.sum(1) >= count
         mask = torch.where(enough[:, None], above, top_k_per_row(confidence, eligible, count))
         return Commit(mask, tokens, confidence)
