@@ -67,7 +67,8 @@ class BlockCache(Cache):
     only attends to itself and earlier blocks, so its keys and values never change. The first forward after a
     fresh store computes everything before the block's end (the prompt's blocks); each block-start forward also
     recomputes the block just finished (its final tokens: SDAR's extra forward folded into the next one); every
-    other step computes the block alone. Equal to recomputing everything every step."""
+    other step computes the block alone (from the row before it on an AR-shifted model, Fast-dLLM v2: that row
+    scores the block's first token). Equal to recomputing everything every step."""
 
     compiles: ClassVar[bool] = True
     block_fresh: ClassVar[bool] = True  # a fresh store at a block start recomputes what it needs
@@ -82,4 +83,4 @@ class BlockCache(Cache):
         first = kv.final if plan.step == 0 else plan.start
         if plan.step == 0:
             kv.final = plan.start
-        return Rows(slice(min(first, plan.lo), max(plan.end, plan.hi)))
+        return Rows(slice(max(min(first, plan.lo - plan.shift), 0), max(plan.end, plan.hi)))

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .errors import DllmError
-from .models import ARCHITECTURES, ARCHITECTURES_BY_NAME, PRESETS, DiffusionLM, ModelConfig
+from .models import ARCHITECTURES_BY_NAME, PRESETS, DiffusionLM, ModelConfig, architecture_of
 from .models.transformer import rope_frequencies, shard_rows
 
 SHIPPED_DIR = Path(__file__).parent / "checkpoints"
@@ -127,11 +127,12 @@ def read_config(path: Path) -> tuple[dict, object]:
         hf = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise DllmError(f"{cfg_file} is not valid JSON ({e}); re-download the checkpoint") from None
-    model_type = hf.get("model_type")
-    if model_type not in ARCHITECTURES:
-        raise DllmError(f"unknown model_type {model_type!r} in {cfg_file}; supported: "
-                        f"{', '.join(ARCHITECTURES)} (LLaDA and Dream checkpoints)")
-    return hf, ARCHITECTURES[model_type]
+    arch = architecture_of(hf)
+    if arch is None:
+        supported = ", ".join(dict.fromkeys(a.MODEL_TYPE for a in ARCHITECTURES_BY_NAME.values()))
+        raise DllmError(f"unknown model_type {hf.get('model_type')!r} in {cfg_file}; supported: {supported} "
+                        f"(LLaDA, Dream, SDAR, LLaDA2, LLaDA-MoE and Fast-dLLM v2 checkpoints)")
+    return hf, arch
 
 
 DLM_PAD = "<|dlm_pad|>"  # apple/DiffuCoder's padding after the answer (a Dream-layout checkpoint)
@@ -141,6 +142,8 @@ def load_dir(path: Path, device="cpu", dtype: torch.dtype | None = None):
     hf, arch = read_config(path)
     tokenizer = load_tokenizer(path, arch)
     eot = tokenizer.convert_tokens_to_ids(arch.END_OF_TURN) if arch.END_OF_TURN in tokenizer.get_vocab() else None
+    if "mask_token_id" not in hf and tokenizer.mask_token_id is not None:  # LLaDA2 names it in the tokenizer only
+        hf = {**hf, "mask_token_id": tokenizer.mask_token_id}
     try:
         cfg = arch.config_from_hf(hf, end_of_turn_id=eot)
     except (KeyError, ValueError) as e:
@@ -215,14 +218,27 @@ def _first_line(error: Exception) -> str:
     return (str(error).strip().splitlines() or [""])[0]
 
 
-def weight_names(table: dict[str, str], n_layers: int) -> dict[str, str]:
-    """Expand a `{i}` name table to every layer: checkpoint name -> our parameter name."""
+def weight_names(table: dict[str, str], n_layers: int, n_experts: int = 0) -> dict[str, str]:
+    """Expand a name table to every layer `{i}` and expert `{e}`: checkpoint name -> our parameter name.
+    Entries for parameters a layer lacks (an expert of a dense layer) are dropped by `load_weights`."""
     out = {}
     for ckpt, ours in table.items():
-        layers = range(n_layers) if "{i}" in ckpt else [None]
-        for i in layers:
-            out[ckpt.format(i=i)] = ours.format(i=i)
+        for i in range(n_layers) if "{i}" in ckpt else [None]:
+            for e in range(n_experts) if "{e}" in ckpt else [None]:
+                out[ckpt.format(i=i, e=e)] = ours.format(i=i, e=e)
     return out
+
+
+def table_names(model: DiffusionLM, table: dict[str, str]) -> dict[str, str]:
+    """`weight_names` of `model`'s size, keeping only entries for parameters it has (e.g. no qkv bias)."""
+    cfg, params = model.config, dict(model.named_parameters())
+    names = weight_names(table, cfg.n_layers, cfg.moe.n_experts if cfg.moe else 0)
+    return {ckpt: ours for ckpt, ours in names.items() if _parameter(ours) in params}
+
+
+def _parameter(ours: str) -> str:
+    """The parameter of a name-table target `name[@expert][:shard]`."""
+    return ours.partition(":")[0].partition("@")[0]
 
 
 def _shard_files(path: Path) -> dict[str, Path]:
@@ -251,19 +267,21 @@ def _shard_files(path: Path) -> dict[str, Path]:
 
 
 def _target(model: DiffusionLM, params: dict, ours: str) -> torch.Tensor:
-    """Our tensor for a name-table entry: a parameter, or the rows of a fused one (`name:shard`)."""
+    """Our tensor for a name-table entry: a parameter, one expert of a stacked one (`name@e`), or the rows of a
+    fused one (`name:shard`)."""
     name, _, shard = ours.partition(":")
-    return params[name][shard_rows(model.config, shard)] if shard else params[name]
+    name, _, expert = name.partition("@")
+    t = params[name][int(expert)] if expert else params[name]
+    return t[shard_rows(model.config, shard, t.shape[0])] if shard else t
 
 
 @torch.no_grad()
 def load_weights(model: DiffusionLM, path: Path, table: dict[str, str]) -> None:
     """Stream every tensor from the safetensors files into `model`, strictly: no missing or extra names, and
     every parameter of ours written (the model's memory is uninitialised until then)."""
-    names = weight_names(table, model.config.n_layers)
     params = dict(model.named_parameters())
-    names = {ckpt: ours for ckpt, ours in names.items() if ours.partition(":")[0] in params}  # e.g. no qkv bias
-    unfilled = set(params) - {ours.partition(":")[0] for ours in names.values()}
+    names = table_names(model, table)
+    unfilled = set(params) - {_parameter(ours) for ours in names.values()}
     if unfilled:
         raise DllmError(f"the {model.config.arch} name table fills no {sorted(unfilled)[0]}; this is a bug in dllm")
     files = _shard_files(path)
@@ -298,8 +316,7 @@ def checkpoint_state(model: DiffusionLM) -> dict[str, torch.Tensor]:
     arch = ARCHITECTURES_BY_NAME[model.config.arch]
     params = dict(model.named_parameters())
     return {ckpt: _target(model, params, ours).detach().contiguous().cpu()
-            for ckpt, ours in weight_names(arch.WEIGHT_NAMES, model.config.n_layers).items()
-            if ours.partition(":")[0] in params}
+            for ckpt, ours in table_names(model, arch.WEIGHT_NAMES).items()}
 
 
 def save_pretrained(model: DiffusionLM, tokenizer, path: str | Path) -> None:

@@ -1,9 +1,24 @@
-"""Native LLaDA, Dream and SDAR networks: one transformer, one checkpoint-name table per architecture."""
-from . import dream, llada, sdar
+"""Native LLaDA, Dream, SDAR, LLaDA2, LLaDA-MoE and Fast-dLLM v2 networks: one transformer, one checkpoint-name
+table per architecture."""
+from . import dream, fast_dllm_v2, llada, llada2, llada_moe, sdar
+from .moe import MoEConfig
 from .transformer import DiffusionLM, KVAccess, ModelConfig, Rows
 
-ARCHITECTURES = {llada.MODEL_TYPE: llada, dream.MODEL_TYPE: dream, sdar.MODEL_TYPE: sdar}  # by config.json model_type
-ARCHITECTURES_BY_NAME = {"llada": llada, "dream": dream, "sdar": sdar}  # by ModelConfig.arch
-PRESETS = {**llada.PRESETS, **dream.PRESETS, **sdar.PRESETS}
+ARCHITECTURES_BY_NAME = {"llada": llada, "dream": dream, "sdar": sdar, "llada2": llada2, "llada_moe": llada_moe,
+                         "fast_dllm_v2": fast_dllm_v2}  # by ModelConfig.arch
+PRESETS = {name: cfg for arch in ARCHITECTURES_BY_NAME.values() for name, cfg in arch.PRESETS.items()}
 
-__all__ = ["ARCHITECTURES", "ARCHITECTURES_BY_NAME", "PRESETS", "DiffusionLM", "KVAccess", "ModelConfig", "Rows"]
+
+def architecture_of(hf: dict):
+    """The architecture module of a `config.json`: by its model class (`architectures`), else its `model_type`
+    (LLaDA-MoE's says "llada" like LLaDA's; its class and `num_experts` tell them apart). None if unknown."""
+    for arch in ARCHITECTURES_BY_NAME.values():
+        if set(getattr(arch, "HF_CLASSES", ())) & set(hf.get("architectures") or ()):
+            return arch
+    if hf.get("model_type") == llada.MODEL_TYPE and hf.get("num_experts"):
+        return llada_moe
+    return next((arch for arch in ARCHITECTURES_BY_NAME.values() if arch.MODEL_TYPE == hf.get("model_type")), None)
+
+
+__all__ = ["ARCHITECTURES_BY_NAME", "PRESETS", "DiffusionLM", "KVAccess", "MoEConfig", "ModelConfig", "Rows",
+           "architecture_of"]

@@ -1,7 +1,8 @@
-"""The bidirectional pre-norm transformer shared by LLaDA and Dream.
+"""The pre-norm transformer shared by every architecture (LLaDA, Dream, SDAR, LLaDA2, LLaDA-MoE, Fast-dLLM v2).
 
-Both networks are Llama-shaped (RMSNorm, rotate-half RoPE, SwiGLU, untied head) run without a causal mask;
-they differ only in q/k/v bias, GQA and Dream's AR-style logit shift (spec `models.md` sections 3-4). The
+All are Llama-shaped (RMSNorm, rotate-half RoPE, SwiGLU, untied head) run without a causal mask; they differ in
+q/k/v bias, GQA, per-head q/k norm, partial RoPE, MoE feed-forward layers (`moe.py`), block-causal attention and
+Dream's AR-style logit shift (spec `models.md` sections 3-4, `block_diffusion_moe.md`). The
 forward computes only the *active* canvas rows chosen by the cache policy, lets the cache supply keys and
 values of every other row (`KVAccess`), and projects the head only on the rows whose logits are needed.
 """
@@ -15,12 +16,14 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
+from .moe import MoE, MoEConfig
+
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture and special ids of one network (read from `config.json` or a named preset)."""
 
-    arch: str  # "llada" | "dream"
+    arch: str  # a module of `dllm.models.ARCHITECTURES_BY_NAME`
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -39,17 +42,27 @@ class ModelConfig:
     head_size: int = 0  # per-head width when it is not hidden_size / n_heads (Qwen3: 128)
     qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3, SDAR)
     block_size: int = 0  # > 0: block-causal attention, a position sees its own block and all earlier ones (SDAR)
+    rotary_dim: int = 0  # RoPE on the first this many dims of each head (LLaDA2: 64 of 128); 0: all of them
+    moe: MoEConfig | None = None  # feed-forward layers from `moe.dense_layers` on are mixtures of experts
 
     @property
     def head_dim(self) -> int:
         return self.head_size or self.hidden_size // self.n_heads
+
+    @property
+    def rope_dim(self) -> int:
+        return self.rotary_dim or self.head_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and layer >= self.moe.dense_layers
 
     def num_parameters(self) -> int:
         d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         attn = 2 * d * q + 2 * d * kv + (q + 2 * kv if self.qkv_bias else 0)
         attn += 2 * self.head_dim if self.qk_norm else 0
-        return 2 * v * d + d + self.n_layers * (attn + 3 * d * f + 2 * d)
+        mlp = [self.moe.layer_parameters(d) if self.is_moe_layer(i) else 3 * d * f for i in range(self.n_layers)]
+        return 2 * v * d + d + self.n_layers * (attn + 2 * d) + sum(mlp)
 
 
 @dataclass(frozen=True)
@@ -107,23 +120,22 @@ class RMSNorm(nn.Module):
 
 
 def rope_frequencies(cfg: ModelConfig, device=None) -> Tensor:
-    """RoPE inverse frequencies (fp32), computed in fp64."""
-    exponent = torch.arange(0, cfg.head_dim, 2, dtype=torch.float64, device=device) / cfg.head_dim
+    """RoPE inverse frequencies (fp32) of the rotated dims, computed in fp64."""
+    exponent = torch.arange(0, cfg.rope_dim, 2, dtype=torch.float64, device=device) / cfg.rope_dim
     return (cfg.rope_theta ** -exponent).float()
 
 
-def fused_parts(cfg: ModelConfig) -> dict[str, dict[str, int]]:
-    """Each fused projection's parts, in row order, with their sizes (output features)."""
-    q, kv, f = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.intermediate_size
-    return {"qkv_proj": {"q": q, "k": kv, "v": kv}, "gate_up_proj": {"gate": f, "up": f}}
+def qkv_sizes(cfg: ModelConfig) -> tuple[int, int, int]:
+    return cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
 
 
-def shard_rows(cfg: ModelConfig, shard: str) -> slice:
-    """The rows of a fused projection that hold one checkpoint tensor (`q`, `k`, `v`, `gate`, `up`; name tables
-    write them `layers.{i}.qkv_proj.weight:q`)."""
-    parts = next(p for p in fused_parts(cfg).values() if shard in p)
-    start = sum(parts[name] for name in list(parts)[:list(parts).index(shard)])
-    return slice(start, start + parts[shard])
+def shard_rows(cfg: ModelConfig, shard: str, rows: int) -> slice:
+    """The rows of a fused projection of `rows` rows that hold one checkpoint tensor (`q`, `k`, `v` of qkv;
+    `gate`, `up`: the halves of a gate|up weight; name tables write them `layers.{i}.qkv_proj.weight:q`)."""
+    if shard in ("gate", "up"):
+        return slice(0, rows // 2) if shard == "gate" else slice(rows // 2, rows)
+    q, kv, _ = qkv_sizes(cfg)
+    return {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}[shard]
 
 
 def fused_linear(x: Tensor, layer: nn.Linear, sizes: tuple[int, ...], per_part: bool | None = None
@@ -148,11 +160,13 @@ def head(x: Tensor, weight: Tensor) -> Tensor:
 
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate-half RoPE in fp32 (LLaDA's `rope_full_precision`); x `[B, H, A, D]`, cos/sin `[B, 1, A, D]`."""
-    xf = x.float()
-    half = xf.shape[-1] // 2
-    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
-    return (xf * cos + rotated * sin).to(x.dtype)
+    """Rotate-half RoPE in fp32 (LLaDA's `rope_full_precision`); x `[B, H, A, D]`, cos/sin `[B, 1, A, R]`: the
+    first R dims rotate, the rest pass through (partial RoPE, LLaDA2)."""
+    r = cos.shape[-1]
+    xf = x[..., :r].float()
+    rotated = torch.cat((-xf[..., r // 2:], xf[..., :r // 2]), dim=-1)
+    out = (xf * cos + rotated * sin).to(x.dtype)
+    return out if r == x.shape[-1] else torch.cat((out, x[..., r:]), dim=-1)
 
 
 def visible_keys(cfg: ModelConfig, query_positions: Tensor, key_positions: Tensor,
@@ -176,20 +190,22 @@ def attention_probabilities(q: Tensor, k: Tensor, key_mask: Tensor | None) -> Te
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         d = cfg.hidden_size
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
-        parts = fused_parts(cfg)
-        self.qkv_sizes, self.gate_up_sizes = tuple(parts["qkv_proj"].values()), tuple(parts["gate_up_proj"].values())
+        self.qkv_sizes, self.gate_up_sizes = qkv_sizes(cfg), (cfg.intermediate_size,) * 2
         self.attn_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.qkv_proj = nn.Linear(d, sum(self.qkv_sizes), bias=cfg.qkv_bias)  # q, k, v in one matmul
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, d, bias=False)
         if cfg.qk_norm:
             self.q_norm, self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps), RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.mlp_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.gate_up_proj = nn.Linear(d, sum(self.gate_up_sizes), bias=False)  # gate, up in one matmul
-        self.down_proj = nn.Linear(cfg.intermediate_size, d, bias=False)
+        if cfg.is_moe_layer(layer):
+            self.moe = MoE(d, cfg.moe)
+        else:
+            self.gate_up_proj = nn.Linear(d, sum(self.gate_up_sizes), bias=False)  # gate, up in one matmul
+            self.down_proj = nn.Linear(cfg.intermediate_size, d, bias=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, key_mask: Tensor | None,
                 kv: KVAccess | None, rows: Rows, layer: int) -> Tensor:
@@ -210,6 +226,8 @@ class Block(nn.Module):
                                            enable_gqa=self.n_heads != self.n_kv_heads)
         x = x + self.o_proj(rearrange(o, "b h a d -> b a (h d)"))
         h = self.mlp_norm(x)
+        if hasattr(self, "moe"):
+            return x + self.moe(h)
         gate, up = fused_linear(h, self.gate_up_proj, self.gate_up_sizes)
         return x + self.down_proj(F.silu(gate) * up)
 
@@ -229,7 +247,7 @@ class DiffusionLM(nn.Module):
         self.config = cfg
         self.generation_defaults: dict[str, int | bool] = {}  # from generation_config.json (dllm.loading)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)

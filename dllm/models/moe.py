@@ -1,0 +1,98 @@
+"""Mixture-of-experts feed-forward layers (spec `block_diffusion_moe.md` sections 2-3).
+
+Two routers: LLaDA-MoE's softmax router (Qwen3-MoE's, `norm_topk_prob` off, an optional expert bias added to
+the probabilities) and LLaDA2's sigmoid group-limited router (DeepSeek-V3's "noaux_tc": the expert bias only
+chooses, the unbiased sigmoid scores weigh, renormalised and scaled). Routed experts are SwiGLUs stored
+stacked (`[E, 2F, D]` gate|up, `[E, D, F]` down) and computed grouped by expert: the token copies are sorted by
+expert and two `F.grouped_mm` calls run every expert's rows, with no loop over tokens or experts and no host
+sync. Shared experts are one dense SwiGLU added to the routed output.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    n_experts: int
+    top_k: int
+    expert_size: int  # each routed expert's SwiGLU width (moe_intermediate_size)
+    shared_size: int = 0  # width of the shared experts' SwiGLU (0: none)
+    dense_layers: int = 0  # the first layers keep a dense SwiGLU of ModelConfig.intermediate_size (LLaDA2: 1)
+    router: Literal["softmax", "sigmoid"] = "softmax"
+    expert_bias: bool = False  # softmax: added to the probabilities; sigmoid: added to the scores that choose
+    groups: int = 1  # sigmoid: experts in groups; only the `groups_kept` best groups (sum of top 2) are eligible
+    groups_kept: int = 1
+    normalize: bool = False  # the chosen weights renormalised to sum 1 (norm_topk_prob)
+    scaling: float = 1.0  # routed_scaling_factor
+
+    def layer_parameters(self, d: int) -> int:
+        """Parameters of one MoE layer (router, bias, routed and shared experts)."""
+        return self.n_experts * (d + self.expert_bias + 3 * d * self.expert_size) + 3 * d * self.shared_size
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up as one `[2F, D]` weight."""
+
+    def __init__(self, d: int, f: int):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(d, 2 * f, bias=False)
+        self.down_proj = nn.Linear(f, d, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class MoE(nn.Module):
+    def __init__(self, d: int, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.router = nn.Linear(d, cfg.n_experts, bias=False)
+        if cfg.expert_bias:
+            self.expert_bias = nn.Parameter(torch.zeros(cfg.n_experts), requires_grad=False)
+        self.experts_gate_up = nn.Parameter(torch.empty(cfg.n_experts, 2 * cfg.expert_size, d))
+        self.experts_down = nn.Parameter(torch.empty(cfg.n_experts, d, cfg.expert_size))
+        if cfg.shared_size:
+            self.shared = SwiGLU(d, cfg.shared_size)
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """The chosen experts `[N, K]` of each token of `x` `[N, D]` and their weights (fp32)."""
+        cfg = self.cfg
+        logits = F.linear(x.float(), self.router.weight.float())
+        bias = self.expert_bias.float() if cfg.expert_bias else 0.0
+        if cfg.router == "softmax":
+            weights, chosen = (logits.softmax(-1) + bias).topk(cfg.top_k, dim=-1)
+        else:
+            scores = logits.sigmoid()
+            choice = scores + bias
+            if cfg.groups > 1:
+                per_group = choice.unflatten(-1, (cfg.groups, -1))
+                best = per_group.topk(2, dim=-1).values.sum(-1).topk(cfg.groups_kept, dim=-1).indices
+                kept = torch.zeros_like(per_group[..., 0], dtype=torch.bool).scatter(-1, best, True)
+                choice = per_group.masked_fill(~kept[..., None], float("-inf")).flatten(-2)
+            chosen = choice.topk(cfg.top_k, dim=-1).indices
+            weights = scores.gather(-1, chosen)
+        if cfg.normalize:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return chosen, weights * cfg.scaling
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        chosen, weights = self.route(x)
+        order = chosen.flatten().argsort(stable=True)  # token copies grouped by expert
+        token = order // self.cfg.top_k
+        ends = torch.bincount(chosen.flatten(), minlength=self.cfg.n_experts).cumsum(0).to(torch.int32)
+        gate, up = F.grouped_mm(x[token], self.experts_gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+        out = F.grouped_mm(F.silu(gate) * up, self.experts_down.transpose(1, 2), offs=ends)
+        out = out * weights.flatten()[order, None].to(out.dtype)
+        routed = torch.zeros_like(x).index_add_(0, token, out)
+        if self.cfg.shared_size:
+            routed = routed + self.shared(x)
+        return routed.reshape(shape)
