@@ -243,6 +243,9 @@ def check_policies(model: DiffusionLM, sampler: Sampler, cache: Cache, compile: 
     if cache.block_causal_only and not cfg.block_size:
         raise DllmError(f"cache {cache.name!r} is exact only under block-causal attention ({cfg.arch} attends to the "
                         f"whole canvas); use prefix or dual")
+    if sampler.edits and not cache.block_fresh:
+        raise DllmError(f"sampler {sampler.name!r} rewrites decoded tokens, whose keys and values cache "
+                        f"{cache.name!r} keeps; use cache none, prefix, dual or (block-causal models) block")
     if cfg.block_size and not cache.block_fresh:
         raise DllmError(f"cache {cache.name!r} chooses rows for full attention; on a block-causal model "
                         f"({cfg.arch}) use cache block (exact), none, prefix or dual")
@@ -435,9 +438,10 @@ class Batch:
                 canvas=canvas, masked=masked, decoded=decoded, next_commits=next_commits, step=step, start=start,
                 end=end, lo=lo, hi=hi, shift=cfg.logit_shift, arch="dream" if cfg.logit_shift else "llada"))
 
-        def open_rows(start: int, end: int) -> Tensor:
-            """[B] rows with a mask left in the block."""
-            return ((canvas.tokens[:, start:end] == cfg.mask_id) & ~self.finished[:, None]).any(1)
+        def open_rows(start: int, end: int, again: Tensor | None = None) -> Tensor:
+            """[B] rows with a mask left in the block, or (token editing) asking for another step."""
+            masks_left = ((canvas.tokens[:, start:end] == cfg.mask_id) & ~self.finished[:, None]).any(1)
+            return masks_left if again is None else masks_left | (again & ~self.finished)
 
         start_time = _clock(model.device)
         end = min(start + self.block_length, length)
@@ -460,12 +464,17 @@ class Batch:
                                     f"refreshes; use refresh_every=0")
                 return runner.verify(drafts, lo, hi, next_rows)
 
+            in_block = (positions >= start) & (positions < end)
+            editable = None
+            if sampler.edits:  # decoded answer tokens of this block; never the prompt (its tail shares the block)
+                decoded = (canvas.tokens[:, lo:hi] != cfg.mask_id) & ~self.finished[:, None]
+                editable = decoded & in_block & (positions >= canvas.gen_start[:, None])
             ctx = samplers_mod.StepContext(
-                logits=logits, eligible=masked & (positions >= start) & (positions < end), masked=masked,
+                logits=logits, eligible=masked & in_block, masked=masked,
                 positions=positions, canvas=canvas.tokens, step=step, steps=self.steps_per_block, block=block,
                 generators=generators, nfe=stats.nfe - 1, total_steps=total_steps, block_start=start,
                 block_end=end, prompt_length=prompt_length, state=self.state,
-                forward=verify if sampler.drafts else None)
+                forward=verify if sampler.drafts else None, editable=editable)
             if step == 0:  # the block-start forward may move the block end (AdaBlock)
                 end = sampler.block_end(ctx)
                 if not start < end <= length:
@@ -475,7 +484,8 @@ class Batch:
             out = sampler.step(ctx)
             commit = out.mask & masked
             stalled = (ctx.eligible.any(1) & ~(commit & ctx.eligible).any(1)).any()
-            canvas.tokens[:, lo:hi] = torch.where(commit, out.tokens, canvas.tokens[:, lo:hi])
+            written = commit if editable is None or out.edit is None else commit | (out.edit & editable)
+            canvas.tokens[:, lo:hi] = torch.where(written, out.tokens, canvas.tokens[:, lo:hi])
             checks, reused = [stalled], None
             if out.verified is not None:
                 draft, draft_logits = runner.adopt(out.verified)
@@ -489,7 +499,7 @@ class Batch:
                 self.finished = _finish_rows(canvas, self.finished, cfg)
             if self.callback is not None:
                 self.callback({"block": block, "step": step, "committed": int(commit.sum())})
-            flags = torch.cat([open_rows(start, end), torch.stack(checks)]).tolist()  # one device wait
+            flags = torch.cat([open_rows(start, end, out.again), torch.stack(checks)]).tolist()  # one device wait
             open_now, (stalled, *diverged) = flags[:batch], flags[batch:]
             if stalled:
                 raise DllmError(f"sampler {sampler.name!r} committed nothing for an unfinished row at block "

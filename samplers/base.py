@@ -41,6 +41,8 @@ class StepContext:
     # one sampler object can decode many batches at once
     forward: Callable[[Tensor], Tensor] | None = None  # drafts [B, K, C] -> the next step's logits [B, K, C, V]
     # on each draft, in one counted forward (self-speculative verification; samplers with `drafts = True`)
+    editable: Tensor | None = None  # [B, C] bool: decoded answer tokens of the current block, unfinished rows
+    # (samplers with `edits = True`; never the prompt or another block)
 
 
 @dataclass
@@ -50,6 +52,8 @@ class Commit:
     confidence: Tensor  # [B, C] float: the score the choice was made on (for traces)
     verified: Tensor | None = None  # [B] long: the draft (from ctx.forward) these commits produce; its logits
     # become the next step's, so that step needs no forward
+    edit: Tensor | None = None  # [B, C] bool: editable positions rewritten with `tokens` (token editing)
+    again: Tensor | None = None  # [B] bool: rows that want another step of this block even with no mask left
 
 
 @dataclass
@@ -60,6 +64,7 @@ class Sampler(Params):
     commits_known_ahead: ClassVar[bool] = False  # `next_commits` names the next step's commits (dKV-Cache-Greedy)
     block_local: ClassVar[bool] = True  # decides from the current block alone (state reset per block; no use of
     # prompt_length, nfe or total_steps), so rows at different blocks can share a batch (`dllm serve`)
+    edits: ClassVar[bool] = False  # rewrites decoded tokens of the current block (`Commit.edit`, `Commit.again`)
     temperature: float = param(0.0, "sampling temperature (0 = greedy)", ge=0.0)
 
     def step(self, ctx: StepContext) -> Commit:

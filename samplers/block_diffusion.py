@@ -9,17 +9,19 @@ from dllm.params import param
 
 from . import register
 from .base import Commit, Sampler, StepContext, gumbel_argmax, token_probability, top_k_per_row
+from .fastdllm import threshold_commit
 
 
 @register("low_confidence_dynamic")
 @dataclass
 class LowConfidenceDynamic(Sampler):
-    """SDAR's default (JetAstra/SDAR `generate.py`, `low_confidence_dynamic`): commit every masked block
-    position whose probability exceeds the threshold when there are at least the step's scheduled count of
-    them, else the scheduled count of most probable ones. The schedule splits the block evenly over the steps,
-    the larger shares first; a step past the schedule commits what is left."""
+    """SDAR's default (JetAstra/SDAR `generate.py`, `low_confidence_dynamic`, threshold 0.85) and LLaDA2.0's
+    rule (inclusionAI/dFactory `generate`: the same rule at threshold 0.95, 32 steps per block of 32): commit
+    every masked block position whose probability exceeds the threshold when there are at least the step's
+    scheduled count of them, else the scheduled count of most probable ones. The schedule splits the block
+    evenly over the steps, the larger shares first; a step past the schedule commits what is left."""
 
-    threshold: float = param(0.85, "commit positions above this probability (SDAR: 0.85)", ge=0.0)
+    threshold: float = param(0.85, "commit positions above this probability (SDAR: 0.85, LLaDA2.0: 0.95)", ge=0.0)
 
     def step(self, ctx: StepContext) -> Commit:
         tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generators)
@@ -31,3 +33,74 @@ class LowConfidenceDynamic(Sampler):
         enough = above.sum(1) >= count
         mask = torch.where(enough[:, None], above, top_k_per_row(confidence, eligible, count))
         return Commit(mask, tokens, confidence)
+
+
+@register("entropy_bounded")
+@dataclass
+class EntropyBounded(Sampler):
+    """SDAR's entropy-bounded rule (JetAstra's engine, `entropy_bounded`, bound 0.35): order the block's masked
+    positions by the entropy of their predicted distribution, lowest first, and commit the longest prefix
+    whose entropies sum below the bound (at least one)."""
+
+    bound: float = param(0.35, "commit the lowest-entropy positions while their entropies sum below this (nats)",
+                         gt=0.0)
+
+    def step(self, ctx: StepContext) -> Commit:
+        tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generators)
+        logp = ctx.logits.float().log_softmax(-1)
+        entropy = -(logp.exp() * logp).nan_to_num().sum(-1)  # 0 * -inf counts 0
+        ranked = entropy.masked_fill(~ctx.eligible, float("inf")).sort(dim=1).values
+        count = (ranked.cumsum(1) < self.bound).sum(1).clamp(min=1)
+        return Commit(top_k_per_row(-entropy, ctx.eligible, count), tokens, token_probability(ctx.logits, tokens))
+
+
+@register("sub_block")
+@dataclass
+class SubBlock(Sampler):
+    """Fast-dLLM v2's rule (NVlabs/Fast-dLLM `v2`, `small_block_size` 8, threshold 0.9): the block is decoded
+    in sub-blocks, left to right; inside the leftmost sub-block with masks, commit every position at or above
+    the threshold and always the most confident one."""
+
+    threshold: float = param(0.9, "commit positions whose probability reaches this (Fast-dLLM v2: 0.9)", ge=0.0)
+    sub_block: int = param(8, "sub-block length, filled left to right (Fast-dLLM v2: 8)", ge=1)
+
+    def step(self, ctx: StepContext) -> Commit:
+        tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generators)
+        confidence = token_probability(ctx.logits, tokens)
+        offset = ctx.positions - ctx.block_start  # [C]
+        first = torch.where(ctx.eligible, offset, offset.max() + 1).amin(1, keepdim=True)  # leftmost mask
+        current = ctx.eligible & (offset // self.sub_block == first // self.sub_block)
+        return Commit(threshold_commit(confidence, current, self.threshold), tokens, confidence)
+
+
+@register("joint_threshold")
+@dataclass
+class JointThreshold(Sampler):
+    """LLaDA2.1's token editing (SGLang `JointThreshold`; spec section 2): each step commits the block's masked
+    positions above `threshold` (at least the most probable one) and rewrites decoded answer tokens of the
+    block whose argmax differs with probability above `edit_threshold`. Once the block has no masks, up to
+    `edit_steps` more steps edit; a row's block ends at a step that changes nothing. The prompt and finished
+    blocks are never edited, so the block caches stay exact. Defaults: ZHZisZZ/dllm's (0.95 / 0.9 / 16);
+    SGLang's are 0.5 / 0 / 16."""
+
+    edits = True
+    threshold: float = param(0.95, "commit masked positions above this probability (mask -> token)", ge=0.0)
+    edit_threshold: float = param(0.9, "rewrite a decoded token when another is more probable than this "
+                                       "(token -> token)", ge=0.0)
+    edit_steps: int = param(16, "steps of editing allowed after the block's last mask is filled", ge=0)
+
+    def step(self, ctx: StepContext) -> Commit:
+        tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generators)
+        confidence = token_probability(ctx.logits, tokens)
+        state = ctx.state
+        if ctx.step == 0:
+            state.edit_steps = torch.zeros_like(ctx.eligible[:, 0], dtype=torch.long)  # steps without masks
+            state.done = torch.zeros_like(ctx.eligible[:, 0])  # rows whose block has ended
+        state.edit_steps += ~ctx.eligible.any(1) & ~state.done
+        commit = ctx.eligible & ((confidence > self.threshold) | top_k_per_row(
+            confidence, ctx.eligible, torch.ones_like(state.edit_steps)))
+        edit = ctx.editable & ~state.done[:, None] & (confidence > self.edit_threshold)
+        edit &= tokens != ctx.canvas[:, ctx.positions]
+        again = (commit.any(1) | edit.any(1)) & (state.edit_steps < self.edit_steps)
+        state.done |= ~again & ~(ctx.eligible & ~commit).any(1)
+        return Commit(commit, tokens, confidence, edit=edit, again=again)

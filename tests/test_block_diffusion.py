@@ -8,7 +8,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import dllm
-from conftest import shared_path
+from conftest import random_model, shared_path
 from dllm import cache as caches
 from dllm import samplers
 from dllm.engine import Batch, decode
@@ -168,3 +168,57 @@ def test_generate_and_serve_default_to_the_models_block():
         status, answer = post(local.url + "/v1/completions", {"prompt": "abc"})
     assert status == 200 and answer["choices"][0]["text"] == want.texts[0]
     assert answer["usage"]["completion_tokens"] == len(want.token_ids[0])
+
+
+class _Recorded(samplers.SAMPLERS.get("joint_threshold")):
+    """joint_threshold that records, before each step, the canvas and the block it decodes."""
+
+    def step(self, ctx):
+        self.seen.append((ctx.canvas.clone(), ctx.block_start, ctx.block_end))
+        return super().step(ctx)
+
+
+@pytest.mark.parametrize("preset", ["sdar-tiny", "llada2-tiny"])
+def test_token_editing_touches_only_the_current_blocks_answer(preset):
+    """LLaDA2.1's token editing rewrites decoded answer tokens of the current block (it does here: edits
+    happen), never the prompt, its tail in the first block, or a finished block; the exact block cache still
+    equals recomputing everything, and a batch row equals its prompt alone."""
+    model = random_model(preset, seed=1)  # sharp logits: some argmaxes move as the block fills
+    block = model.config.block_size
+
+    def run(prompts, cache, recorded=None):
+        s = recorded or samplers.SAMPLERS.create("joint_threshold", threshold=0.5, edit_threshold=0.3)
+        return decode(model, prompts, s, caches.CACHES.create(cache), 16, block)
+
+    recorded = _Recorded(threshold=0.5, edit_threshold=0.3)
+    recorded.seen = []
+    canvas, _, _ = run(PROMPTS, "block", recorded)
+    steps = [*recorded.seen, (canvas.tokens, None, None)]
+    edits = 0
+    for (before, start, end), (after, _, _) in zip(steps, steps[1:]):
+        changed = (before != after) & (before != model.config.mask_id)  # decoded tokens rewritten
+        column = torch.arange(before.shape[1])[None]
+        assert not (changed & ((column < start) | (column >= end) | (column < canvas.gen_start[:, None]))).any()
+        edits += int(changed.sum())
+    assert edits > 0
+    want, _, _ = run(PROMPTS, "none")
+    assert torch.equal(canvas.tokens, want.tokens)
+    for row, prompt in enumerate(PROMPTS):
+        alone, _, _ = run([prompt], "block")
+        start, end = int(canvas.gen_start[row]), int(canvas.gen_end[row])
+        assert torch.equal(canvas.tokens[row, start:end], alone.tokens[0, alone.prompt_length:])
+
+
+def test_token_editing_that_never_edits_equals_threshold_decoding(model):
+    """edit_threshold above 1 and no extra steps: joint_threshold is the threshold rule, step for step."""
+    want, want_stats, _ = run(model, PROMPTS, "threshold", "block", threshold=0.3)
+    got, stats, _ = run(model, PROMPTS, "joint_threshold", "block", threshold=0.3, edit_threshold=1.5,
+                        edit_steps=0)
+    assert torch.equal(got.tokens, want.tokens) and stats.nfe == want_stats.nfe
+
+
+def test_token_editing_refuses_caches_that_keep_decoded_keys():
+    llada = dllm.load("random:llada-tiny")[0]
+    with pytest.raises(DllmError, match="sampler 'joint_threshold' rewrites decoded tokens, whose keys and values "
+                                        "cache 'dkv' keeps; use cache none, prefix, dual"):
+        decode(llada, PROMPTS, samplers.SAMPLERS.create("joint_threshold"), caches.CACHES.create("dkv"), 16, 8)

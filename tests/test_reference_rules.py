@@ -134,3 +134,50 @@ def test_low_confidence_dynamic_equals_sdars_rule(steps, threshold):
                 assert {i for i in range(C) if ours[b, i]} == reference_dynamic(conf[b], eligible[b].tolist(),
                                                                                    scheduled, threshold)
     assert checked >= 100  # rows where the rule applies (many masks left are rarer in random_step)
+
+
+def reference_entropy_bounded(probs: torch.Tensor, eligible: list[bool], bound: float) -> set[int]:
+    """JetAstra's engine, `entropy_bounded`, one row: the masked positions sorted by entropy (ascending), the
+    count k = searchsorted(cumsum, bound) (left), at least 1."""
+    masked = [i for i in range(len(eligible)) if eligible[i]]
+    p = probs[masked].clamp_min(1e-12)
+    entropies = -(p * p.log()).sum(-1)
+    ent_sorted, order = torch.sort(entropies, stable=True)
+    k = max(int(torch.searchsorted(ent_sorted.cumsum(0), torch.tensor(bound, dtype=ent_sorted.dtype))), 1)
+    return {masked[int(j)] for j in order[:k]}
+
+
+@pytest.mark.parametrize("bound", [0.35, 2.0])
+def test_entropy_bounded_equals_the_reference_rule(bound):
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(500, C, V, generator=g) * torch.rand(500, C, 1, generator=g) * 12
+    eligible = torch.rand(500, C, generator=g) < 0.6
+    eligible[:, 0] = True
+    ctx = StepContext(logits, eligible, eligible.clone(), torch.arange(C), torch.zeros(500, C, dtype=torch.long),
+                      0, 4, 0, [None] * 500, 0, 4, 0, C, 0, SimpleNamespace())
+    ours = samplers.SAMPLERS.create("entropy_bounded", bound=bound).step(ctx).mask
+    probs = logits.double().softmax(-1)
+    counts = set()
+    for b in range(500):
+        want = reference_entropy_bounded(probs[b], eligible[b].tolist(), bound)
+        assert {i for i in range(C) if ours[b, i]} == want
+        counts.add(len(want))
+    assert len(counts) > 2  # the bound chose different counts
+
+
+def test_sub_block_commits_only_in_the_leftmost_open_sub_block():
+    """Fast-dLLM v2: inside the leftmost sub-block with masks, every position at or above the threshold and
+    the most confident one; nothing in later sub-blocks."""
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(300, C, V, generator=g) * 6
+    eligible = torch.rand(300, C, generator=g) < 0.5
+    eligible[:, -1] = True
+    ctx = StepContext(logits, eligible, eligible.clone(), torch.arange(C), torch.zeros(300, C, dtype=torch.long),
+                      0, 4, 0, [None] * 300, 0, 4, 0, C, 0, SimpleNamespace())
+    ours = samplers.SAMPLERS.create("sub_block", sub_block=3, threshold=0.6).step(ctx).mask
+    conf = token_probability(logits, logits.argmax(-1))
+    for b in range(300):
+        first = int(eligible[b].nonzero()[0]) // 3
+        current = [i for i in range(C) if eligible[b, i] and i // 3 == first]
+        best = max(current, key=lambda i: (conf[b, i], -i))
+        assert {i for i in range(C) if ours[b, i]} == {i for i in current if conf[b, i] >= 0.6} | {best}
