@@ -22,6 +22,24 @@ def random_prompts(model, batch_size: int, prompt_length: int, seed: int) -> lis
     return [pool[pick].tolist()] * batch_size
 
 
+def expert_fraction(model, prompts, sampler, cache, block_length: int, steps: int | None, seed: int) -> float:
+    """The mean fraction of an MoE layer's routed experts that one forward reads (the distinct experts its
+    tokens chose), counted over one block of one more run; a forward hook routes each layer's input again."""
+    counts: list[float] = []
+
+    def count(moe, args):
+        chosen, _ = moe.route(args[0].reshape(-1, args[0].shape[-1]))
+        counts.append(chosen.unique().numel() / moe.cfg.n_experts)
+
+    hooks = [layer.moe.register_forward_pre_hook(count) for layer in model.layers if hasattr(layer, "moe")]
+    try:
+        decode(model, prompts, sampler, cache, block_length, block_length, steps, seed, stop_early=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return statistics.mean(counts)
+
+
 def bench(model, sampler, cache, gen_length: int, block_length: int, steps: int | None = None,
           batch_size: int = 1, prompt_length: int = 64, repeats: int = 3, seed: int = 0, callback=None,
           compile: bool = False) -> dict:
@@ -39,8 +57,14 @@ def bench(model, sampler, cache, gen_length: int, block_length: int, steps: int 
     length = prompt_length + gen_length
     rows = sum(stats.rows_per_layer) / len(stats.rows_per_layer)
     cfg = model.config
+    described = {"arch": cfg.arch, "parameters": cfg.num_parameters(), "dtype": str(model.dtype).removeprefix("torch.")}
+    if cfg.moe is not None:  # the weights one forward reads: all but the routed experts its tokens did not choose
+        routed = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers)) * cfg.moe.n_experts * 3 * cfg.hidden_size \
+            * cfg.moe.expert_size
+        described["experts_read"] = expert_fraction(model, prompts, sampler, cache, block_length, steps, seed)
+        described["parameters_read"] = round(cfg.num_parameters() - routed * (1 - described["experts_read"]))
     return {
-        "model": {"arch": cfg.arch, "parameters": cfg.num_parameters(), "dtype": str(model.dtype).removeprefix("torch.")},
+        "model": described,
         "config": {"sampler": sampler.config(), "cache": cache.config(), "gen_length": gen_length,
                    "block_length": block_length, "steps": steps, "batch_size": batch_size,
                    "prompt_length": prompt_length, "repeats": repeats, "compile": compile},
@@ -63,7 +87,8 @@ def bench(model, sampler, cache, gen_length: int, block_length: int, steps: int 
 def format_result(r: dict) -> str:
     per_kind = ", ".join(f"{k} {v:.2f} ms x{r['forwards_by_kind'][k]}" for k, v in r["ms_per_forward"].items())
     c = r["config"]
-    return (f"{r['model']['arch']} {r['model']['parameters'] / 1e6:.3g}M {r['model']['dtype']} | "
+    moe = f" (MoE: {r['model']['experts_read']:.0%} of experts read per forward)" if "experts_read" in r["model"] else ""
+    return (f"{r['model']['arch']} {r['model']['parameters'] / 1e6:.3g}M{moe} {r['model']['dtype']} | "
             f"{c['sampler']['name']} + {c['cache']['name']} | gen {c['gen_length']} block {c['block_length']} "
             f"batch {c['batch_size']} prompt {c['prompt_length']} | {r['device']}\n"
             f"  {r['seconds']:.3f} s, {r['nfe']} forwards, {r['tpf']:.2f} tokens/forward, "

@@ -2,11 +2,13 @@
 # The GPU table of BENCHMARKS.md in one command: `dllm bench` on random:llada-8b in bf16, caches none and dual,
 # batch 1 and 8, eager and --compile; ms per full and per cached (32-row) forward against the weight-read floor
 # (the bf16 weights read once per forward at the HBM bandwidth of the card). COMPILE=0 skips the compiled runs.
-# Then the block-diffusion model random:sdar-8b with its exact block cache (block 4), batch 1 and 8, eager;
-# SDAR_MODEL= (empty) skips it.
+# Then the block-diffusion models with their exact block cache, batch 1 and 8, eager: random:sdar-8b (block 4;
+# SDAR_MODEL= empty skips it) and the MoE random:llada2-mini (block 32; LLADA2_MODEL= empty skips it), whose
+# floor counts only the experts its forwards read (`dllm bench` measures the fraction).
 #
 #   scripts/gpu_bench.sh                         # writes runs/gpu-bench/*.json and prints the Markdown table
-#   MODEL=random:llada-tiny SDAR_MODEL=random:sdar-tiny DEVICE=cpu DTYPE=float32 GEN=64 scripts/gpu_bench.sh
+#   MODEL=random:llada-tiny SDAR_MODEL=random:sdar-tiny LLADA2_MODEL=random:llada2-tiny DEVICE=cpu DTYPE=float32 \
+#       GEN=64 scripts/gpu_bench.sh
 set -euo pipefail
 MODEL=${MODEL:-random:llada-8b}
 DEVICE=${DEVICE:-cuda}
@@ -15,6 +17,7 @@ GEN=${GEN:-256}
 OUT=${OUT:-runs/gpu-bench}
 COMPILE=${COMPILE:-1}
 SDAR_MODEL=${SDAR_MODEL-random:sdar-8b}
+LLADA2_MODEL=${LLADA2_MODEL-random:llada2-mini}
 mkdir -p "$OUT"
 modes="eager"
 [ "$COMPILE" = 1 ] && modes="eager compile"
@@ -35,6 +38,14 @@ if [ -n "$SDAR_MODEL" ]; then
       --gen-length "$GEN" --block-length 4 --batch-size "$batch" --repeats 2 --json > "$OUT/sdar-block-b$batch.json"
   done
 fi
+if [ -n "$LLADA2_MODEL" ]; then
+  block=$(python -c "import dllm.models as m; print(m.PRESETS['${LLADA2_MODEL#random:}'].block_size)" 2>/dev/null || echo 32)
+  for batch in 1 8; do
+    dllm bench --model "$LLADA2_MODEL" --device "$DEVICE" --dtype "$DTYPE" --sampler low_confidence --cache block \
+      --gen-length "$GEN" --block-length "$block" --batch-size "$batch" --repeats 2 --json \
+      > "$OUT/llada2-block-b$batch.json"
+  done
+fi
 python - "$OUT" <<'EOF'
 import json
 import sys
@@ -44,7 +55,8 @@ BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12}  # bytes/s of HBM 
 rows = []
 for path in sorted(Path(sys.argv[1]).glob("*.json")):
     r = json.loads(path.read_text())
-    weight_bytes = r["model"]["parameters"] * (2 if r["model"]["dtype"] in ("bfloat16", "float16") else 4)
+    read = r["model"].get("parameters_read", r["model"]["parameters"])  # MoE: the experts actually read
+    weight_bytes = read * (2 if r["model"]["dtype"] in ("bfloat16", "float16") else 4)
     card = next((name for name in BANDWIDTH if name in r["device"]), None)
     floor = 1000 * weight_bytes / BANDWIDTH[card] if card else None
     ms = r["ms_per_forward"]
@@ -55,7 +67,7 @@ for path in sorted(Path(sys.argv[1]).glob("*.json")):
                 f"{full} | " + (f"{cached:.2f}" if cached else "-") + " | "
                 + (f"{floor:.2f} | {(cached or ms['full']) / floor:.2f}x" if floor else "- | -")
                 + f" | {r['tokens_per_second']:.0f} | {r['peak_mb']:.0f} |")
-print(f"{r['model']['dtype']} on {r['device']}, gen {r['config']['gen_length']}, block 32 (sdar: 4)\n")
+print(f"{r['model']['dtype']} on {r['device']}, gen {r['config']['gen_length']}, block 32 (sdar: 4, llada2: the preset's block)\n")
 print("| model | cache | mode | batch | ms per full forward | ms per cached forward | weight-read floor ms "
       "| cached (or full) / floor | tokens/s | peak MB |")
 print("|---|---|---|---|---|---|---|---|---|---|")

@@ -240,3 +240,16 @@ def test_llada_moe_runs_every_cache_batch_equal_alone():
         for row, prompt in enumerate(PROMPTS):
             alone, _, _ = decode(model, [prompt], s, caches.CACHES.create(cache), 16, 8)
             assert torch.equal(batch.tokens[row, batch.prompt_length:], alone.tokens[0, alone.prompt_length:])
+
+
+def test_bench_counts_the_experts_a_forward_reads():
+    """`dllm bench` on an MoE model reports the fraction of routed experts one forward reads (between one
+    token's top-k and all of them) and the parameters that leaves to read, for the weight-read floor."""
+    from dllm.bench import bench
+
+    model = dllm.load("random:llada2-tiny", seed=1)[0]
+    moe = model.config.moe
+    r = bench(model, samplers.SAMPLERS.create("low_confidence"), caches.CACHES.create("block"), 8, 4, repeats=1,
+              prompt_length=6)
+    assert moe.top_k / moe.n_experts < r["model"]["experts_read"] <= 1
+    assert r["model"]["parameters_read"] < r["model"]["parameters"] or r["model"]["experts_read"] == 1
