@@ -253,3 +253,21 @@ def test_bench_counts_the_experts_a_forward_reads():
               prompt_length=6)
     assert moe.top_k / moe.n_experts < r["model"]["experts_read"] <= 1
     assert r["model"]["parameters_read"] < r["model"]["parameters"] or r["model"]["experts_read"] == 1
+
+
+def test_sdar_moe_equals_qwen3_moe_under_a_block_causal_mask(tmp_path):
+    """SDAR-30B-A3B's layout: Qwen3-MoE (top-k renormalised) under the block-causal mask."""
+    cfg = Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=16,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, rope_theta=1e6,
+                         rms_norm_eps=1e-6, tie_word_embeddings=False, attn_implementation="sdpa")
+    ref = Qwen3MoeForCausalLM(cfg)
+    _randomize(ref)
+    _sharpen_routers(ref)
+    from dllm.models import sdar
+    model = _native(sdar, "sdar-moe-tiny", _checkpoint(ref, lambda state: None), tmp_path)
+    ids = torch.randint(0, 120, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=block_causal(12)[None, None].expand(2, 1, 12, 12)).logits
+        got = model(ids)
+    assert (got - want).abs().max() < 1e-4 and model.config.moe.normalize
