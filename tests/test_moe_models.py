@@ -17,7 +17,7 @@ from dllm import cache as caches
 from dllm import samplers
 from dllm.engine import decode
 from dllm.loading import load, load_weights, save_pretrained, table_names
-from dllm.models import PRESETS, DiffusionLM, MoEConfig, fast_dllm_v2, llada2, llada_moe
+from dllm.models import PRESETS, DiffusionLM, MoEConfig, fast_dllm_v2, llada2, llada_moe, sdar
 from dllm.models.moe import MoE
 
 from test_block_diffusion import PROMPTS, block_causal
@@ -132,15 +132,21 @@ def test_llada2_moe_layer_equals_deepseek_v3():
     assert (unbiased(x) - want).abs().max() > 1e-3  # the bias changed which experts were chosen
 
 
-@pytest.fixture(scope="module")
-def llada_moe_pair(tmp_path_factory):
+def _qwen3_moe(kv_heads: int, normalize: bool, theta: float, eps: float):
+    """transformers' Qwen3-MoE in the tiny presets' shape, random weights, routers that never tie."""
     cfg = Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=16,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
-                         num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, rope_theta=50000.0,
-                         rms_norm_eps=1e-5, tie_word_embeddings=False, attn_implementation="sdpa")
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=16,
+                         num_experts=8, num_experts_per_tok=2, norm_topk_prob=normalize, rope_theta=theta,
+                         rms_norm_eps=eps, tie_word_embeddings=False, attn_implementation="sdpa")
     ref = Qwen3MoeForCausalLM(cfg)
     _randomize(ref)
     _sharpen_routers(ref)
+    return ref
+
+
+@pytest.fixture(scope="module")
+def llada_moe_pair(tmp_path_factory):
+    ref = _qwen3_moe(kv_heads=4, normalize=False, theta=50000.0, eps=1e-5)
     model = _native(llada_moe, "llada-moe-tiny", _checkpoint(ref, lambda state: None),
                     tmp_path_factory.mktemp("llada_moe"))
     return ref.eval(), model
@@ -257,14 +263,7 @@ def test_bench_counts_the_experts_a_forward_reads():
 
 def test_sdar_moe_equals_qwen3_moe_under_a_block_causal_mask(tmp_path):
     """SDAR-30B-A3B's layout: Qwen3-MoE (top-k renormalised) under the block-causal mask."""
-    cfg = Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=16,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, rope_theta=1e6,
-                         rms_norm_eps=1e-6, tie_word_embeddings=False, attn_implementation="sdpa")
-    ref = Qwen3MoeForCausalLM(cfg)
-    _randomize(ref)
-    _sharpen_routers(ref)
-    from dllm.models import sdar
+    ref = _qwen3_moe(kv_heads=2, normalize=True, theta=1e6, eps=1e-6)
     model = _native(sdar, "sdar-moe-tiny", _checkpoint(ref, lambda state: None), tmp_path)
     ids = torch.randint(0, 120, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

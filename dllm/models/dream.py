@@ -2,6 +2,7 @@
 (spec `models.md` 1.2, 2.2)."""
 from __future__ import annotations
 
+from .moe import swiglu_names
 from .transformer import ModelConfig
 
 MODEL_TYPE = "Dream"
@@ -17,9 +18,8 @@ WEIGHT_NAMES = {
     **{_LAYER + f"self_attn.{p}_proj.{t}": f"layers.{{i}}.qkv_proj.{t}:{p}" for p in "qkv" for t in ("weight", "bias")},
     _LAYER + "self_attn.o_proj.weight": "layers.{i}.o_proj.weight",
     _LAYER + "post_attention_layernorm.weight": "layers.{i}.mlp_norm.weight",
-    _LAYER + "mlp.gate_proj.weight": "layers.{i}.gate_up_proj.weight:gate",  # :shard = rows of a fused one
-    _LAYER + "mlp.up_proj.weight": "layers.{i}.gate_up_proj.weight:up",
-    _LAYER + "mlp.down_proj.weight": "layers.{i}.down_proj.weight",
+    **swiglu_names(_LAYER + "mlp.", "layers.{i}.gate_up_proj.weight", "layers.{i}.down_proj.weight"),  # :shard =
+    # rows of a fused tensor
 }
 
 

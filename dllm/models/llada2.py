@@ -5,7 +5,7 @@ sigmoid group-limited router, expert bias and routed scaling, plus one shared ex
 blocks of 32 (dFactory's `generate`), position-aligned logits."""
 from __future__ import annotations
 
-from .moe import MoEConfig
+from .moe import MoEConfig, swiglu_names
 from .transformer import ModelConfig
 
 MODEL_TYPE = "llada2_moe"
@@ -15,7 +15,6 @@ TOKENIZER_STYLE = "llada"  # of the character tokenizer a random: model gets
 BLOCK_SIZE = 32  # the training and decoding block of the released models (config.json does not say)
 
 _LAYER = "model.layers.{i}."
-_EXPERT = _LAYER + "mlp.experts.{e}."
 WEIGHT_NAMES = {
     "model.word_embeddings.weight": "embed.weight",
     "model.norm.weight": "norm.weight",
@@ -26,17 +25,13 @@ WEIGHT_NAMES = {
     _LAYER + "attention.key_layernorm.weight": "layers.{i}.k_norm.weight",
     _LAYER + "attention.dense.weight": "layers.{i}.o_proj.weight",
     _LAYER + "post_attention_layernorm.weight": "layers.{i}.mlp_norm.weight",
-    _LAYER + "mlp.gate_proj.weight": "layers.{i}.gate_up_proj.weight:gate",  # the dense layers
-    _LAYER + "mlp.up_proj.weight": "layers.{i}.gate_up_proj.weight:up",
-    _LAYER + "mlp.down_proj.weight": "layers.{i}.down_proj.weight",
+    **swiglu_names(_LAYER + "mlp.", "layers.{i}.gate_up_proj.weight", "layers.{i}.down_proj.weight"),  # dense
     _LAYER + "mlp.gate.weight": "layers.{i}.moe.router.weight",
     _LAYER + "mlp.gate.expert_bias": "layers.{i}.moe.expert_bias",
-    _EXPERT + "gate_proj.weight": "layers.{i}.moe.experts_gate_up@{e}:gate",  # @e: one expert of a stacked tensor
-    _EXPERT + "up_proj.weight": "layers.{i}.moe.experts_gate_up@{e}:up",
-    _EXPERT + "down_proj.weight": "layers.{i}.moe.experts_down@{e}",
-    _LAYER + "mlp.shared_experts.gate_proj.weight": "layers.{i}.moe.shared.gate_up_proj.weight:gate",
-    _LAYER + "mlp.shared_experts.up_proj.weight": "layers.{i}.moe.shared.gate_up_proj.weight:up",
-    _LAYER + "mlp.shared_experts.down_proj.weight": "layers.{i}.moe.shared.down_proj.weight",
+    **swiglu_names(_LAYER + "mlp.experts.{e}.", "layers.{i}.moe.experts_gate_up@{e}",
+                   "layers.{i}.moe.experts_down@{e}"),
+    **swiglu_names(_LAYER + "mlp.shared_experts.", "layers.{i}.moe.shared.gate_up_proj.weight",
+                   "layers.{i}.moe.shared.down_proj.weight"),
 }
 
 # Fields whose values this implementation assumes; anything else is a different network.

@@ -4,7 +4,8 @@ router whose top-k probabilities are used as they are (dInfer's block fixes `nor
 expert bias added to the probabilities, optional dense layers and shared expert; position-aligned logits."""
 from __future__ import annotations
 
-from .moe import MoEConfig
+from . import dream, sdar
+from .moe import MoEConfig, swiglu_names
 from .transformer import ModelConfig
 
 MODEL_TYPE = "llada"  # as LLaDA's: `dllm.models.architecture_of` tells them apart by class and `num_experts`
@@ -13,28 +14,12 @@ END_OF_TURN = "<|role_end|>"
 TOKENIZER_STYLE = "llada"  # of the character tokenizer a random: model gets
 
 _LAYER = "model.layers.{i}."
-_EXPERT = _LAYER + "mlp.experts.{e}."
-WEIGHT_NAMES = {
-    "model.embed_tokens.weight": "embed.weight",
-    "model.norm.weight": "norm.weight",
-    "lm_head.weight": "lm_head.weight",
-    _LAYER + "input_layernorm.weight": "layers.{i}.attn_norm.weight",
-    **{_LAYER + f"self_attn.{p}_proj.{t}": f"layers.{{i}}.qkv_proj.{t}:{p}" for p in "qkv" for t in ("weight", "bias")},
-    _LAYER + "self_attn.o_proj.weight": "layers.{i}.o_proj.weight",
-    _LAYER + "self_attn.q_norm.weight": "layers.{i}.q_norm.weight",
-    _LAYER + "self_attn.k_norm.weight": "layers.{i}.k_norm.weight",
-    _LAYER + "post_attention_layernorm.weight": "layers.{i}.mlp_norm.weight",
-    _LAYER + "mlp.gate_proj.weight": "layers.{i}.gate_up_proj.weight:gate",  # dense layers
-    _LAYER + "mlp.up_proj.weight": "layers.{i}.gate_up_proj.weight:up",
-    _LAYER + "mlp.down_proj.weight": "layers.{i}.down_proj.weight",
-    _LAYER + "mlp.gate.weight": "layers.{i}.moe.router.weight",
+WEIGHT_NAMES = {  # Qwen3-MoE's names (SDAR's table) with optional q/k/v biases (Dream's), expert bias, shared expert
+    **dream.WEIGHT_NAMES,
+    **sdar.WEIGHT_NAMES,
     _LAYER + "mlp.expert_bias": "layers.{i}.moe.expert_bias",
-    _EXPERT + "gate_proj.weight": "layers.{i}.moe.experts_gate_up@{e}:gate",
-    _EXPERT + "up_proj.weight": "layers.{i}.moe.experts_gate_up@{e}:up",
-    _EXPERT + "down_proj.weight": "layers.{i}.moe.experts_down@{e}",
-    _LAYER + "shared_expert.gate_proj.weight": "layers.{i}.moe.shared.gate_up_proj.weight:gate",
-    _LAYER + "shared_expert.up_proj.weight": "layers.{i}.moe.shared.gate_up_proj.weight:up",
-    _LAYER + "shared_expert.down_proj.weight": "layers.{i}.moe.shared.down_proj.weight",
+    **swiglu_names(_LAYER + "shared_expert.", "layers.{i}.moe.shared.gate_up_proj.weight",
+                   "layers.{i}.moe.shared.down_proj.weight"),
 }
 
 

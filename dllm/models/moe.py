@@ -36,6 +36,13 @@ class MoEConfig:
         return self.n_experts * (d + self.expert_bias + 3 * d * self.expert_size) + 3 * d * self.shared_size
 
 
+def swiglu_names(checkpoint: str, gate_up: str, down: str) -> dict[str, str]:
+    """Name-table entries of a SwiGLU stored as `{checkpoint}{gate,up,down}_proj.weight`: gate and up into the
+    halves of our `gate_up` tensor, down into `down` (for a routed expert: `...experts_gate_up@{e}`)."""
+    return {checkpoint + "gate_proj.weight": gate_up + ":gate", checkpoint + "up_proj.weight": gate_up + ":up",
+            checkpoint + "down_proj.weight": down}
+
+
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up as one `[2F, D]` weight."""
 

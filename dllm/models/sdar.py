@@ -5,7 +5,7 @@ Qwen3-MoE's feed-forward layers (softmax router, top-k renormalised, `mlp.expert
 from __future__ import annotations
 
 from . import dream
-from .moe import MoEConfig
+from .moe import MoEConfig, swiglu_names
 from .transformer import ModelConfig
 
 MODEL_TYPE = "sdar"
@@ -19,9 +19,8 @@ WEIGHT_NAMES = {  # Qwen3's names: Qwen2's (Dream's table) without the q/k/v bia
     _LAYER + "self_attn.q_norm.weight": "layers.{i}.q_norm.weight",
     _LAYER + "self_attn.k_norm.weight": "layers.{i}.k_norm.weight",
     _LAYER + "mlp.gate.weight": "layers.{i}.moe.router.weight",  # the MoE variant
-    **{_LAYER + f"mlp.experts.{{e}}.{p}_proj.weight": f"layers.{{i}}.moe.experts_gate_up@{{e}}:{p}"
-       for p in ("gate", "up")},
-    _LAYER + "mlp.experts.{e}.down_proj.weight": "layers.{i}.moe.experts_down@{e}",
+    **swiglu_names(_LAYER + "mlp.experts.{e}.", "layers.{i}.moe.experts_gate_up@{e}",
+                   "layers.{i}.moe.experts_down@{e}"),
 }
 
 
