@@ -270,3 +270,17 @@ def test_sdar_moe_equals_qwen3_moe_under_a_block_causal_mask(tmp_path):
         want = ref(input_ids=ids, attention_mask=block_causal(12)[None, None].expand(2, 1, 12, 12)).logits
         got = model(ids)
     assert (got - want).abs().max() < 1e-4 and model.config.moe.normalize
+
+
+def test_experts_without_grouped_mm_agree():
+    """The per-expert fallback (a GPU in fp32/fp16; fp64 here) computes what F.grouped_mm does; a model with MoE
+    layers refuses --compile with the reason."""
+    model = dllm.load("random:llada2-tiny", seed=1)[0]
+    x = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        grouped = model.layers[1].moe(x)
+        looped = model.layers[1].moe.double()(x.double())
+    assert (grouped.double() - looped).abs().max() < 1e-5
+    with pytest.raises(dllm.DllmError, match="--compile does not cover MoE layers"):
+        decode(dllm.load("random:llada2-tiny")[0], PROMPTS, samplers.SAMPLERS.create("low_confidence"),
+               caches.CACHES.create("block"), 8, 4, compile=True)

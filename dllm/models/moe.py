@@ -43,6 +43,15 @@ def swiglu_names(checkpoint: str, gate_up: str, down: str) -> dict[str, str]:
             checkpoint + "down_proj.weight": down}
 
 
+def grouped_matmul(x: Tensor, weights: Tensor, ends: Tensor) -> Tensor:
+    """Rows `ends[e-1]:ends[e]` of `x` times `weights[e]`: one `F.grouped_mm` for bf16 (the CUDA kernel's only
+    type) and fp32 on a CPU; otherwise (fp32/fp16 on a GPU, fp64) one matmul per expert, after one host sync."""
+    if x.dtype == torch.bfloat16 or (x.device.type == "cpu" and x.dtype == torch.float32):
+        return F.grouped_mm(x, weights, offs=ends)
+    bounds = [0, *ends.tolist()]
+    return torch.cat([x[a:b] @ w for a, b, w in zip(bounds, bounds[1:], weights)])
+
+
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up as one `[2F, D]` weight."""
 
@@ -96,8 +105,8 @@ class MoE(nn.Module):
         order = chosen.flatten().argsort(stable=True)  # token copies grouped by expert
         token = order // self.cfg.top_k
         ends = torch.bincount(chosen.flatten(), minlength=self.cfg.n_experts).cumsum(0).to(torch.int32)
-        gate, up = F.grouped_mm(x[token], self.experts_gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
-        out = F.grouped_mm(F.silu(gate) * up, self.experts_down.transpose(1, 2), offs=ends)
+        gate, up = grouped_matmul(x[token], self.experts_gate_up.transpose(1, 2), ends).chunk(2, dim=-1)
+        out = grouped_matmul(F.silu(gate) * up, self.experts_down.transpose(1, 2), ends)
         out = out * weights.flatten()[order, None].to(out.dtype)
         routed = torch.zeros_like(x).index_add_(0, token, out)
         if self.cfg.shared_size:
