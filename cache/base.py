@@ -184,7 +184,8 @@ class Cache(Params):
         no prediction, so every position the sampler may commit (`[lo, hi)`) must be covered. Default: the
         block policy's `active_rows`, widened to the whole window."""
         rows = self.active_rows(plan.step, plan.start, plan.end, plan.masked.shape[1], plan.shift)
-        return Rows(slice(min(rows.start, plan.lo - plan.shift), max(rows.stop, plan.hi - plan.shift)))
+        first = max(min(rows.start, plan.lo - plan.shift), 0)  # a block at column 0 of a shifted block-causal model
+        return Rows(slice(first, max(rows.stop, plan.hi - plan.shift)))
 
     def active_rows(self, step: int, start: int, end: int, length: int, shift: int) -> slice:
         """Rows to compute at `step` (0 = first step) of the block `[start, end)` of a canvas of `length`;

@@ -234,6 +234,11 @@ def test_exact_block_cache_on_block_causal_moe_and_shifted_models(preset, sample
         got, stats, _ = run(cache)
         assert torch.equal(got.tokens, want.tokens), cache
         assert stats.nfe == want_stats.nfe
+    # a prompt shorter than a block, alone: the first block starts at column 0 (with shifted logits, the row
+    # before it does not exist; its first position is a prompt token)
+    short = [decode(model, [[5, 6, 7]], samplers.SAMPLERS.create(sampler, **args), caches.CACHES.create(cache), 8,
+                    block)[0].tokens for cache in ("none", "block", "dual", "prefix")]
+    assert all(torch.equal(t, short[0]) for t in short)
 
 
 def test_llada_moe_runs_every_cache_batch_equal_alone():
