@@ -57,18 +57,24 @@ class EntropyBounded(Sampler):
 @register("sub_block")
 @dataclass
 class SubBlock(Sampler):
-    """Fast-dLLM v2's rule (NVlabs/Fast-dLLM `v2`, `small_block_size` 8, threshold 0.9): the block is decoded
-    in sub-blocks, left to right; inside the leftmost sub-block with masks, commit every position at or above
-    the threshold and always the most confident one."""
+    """Fast-dLLM v2's rule (NVlabs/Fast-dLLM `v2`, `small_block_size` 8, threshold 0.9): a block's first token
+    comes alone from the logit of the position before it, as an autoregressive step (the reference reads it off
+    the forward that caches the finished block; here the block-start forward, which the block cache also uses
+    to store the finished block, so the forwards are as many); then the block is decoded in sub-blocks, left to
+    right: inside the leftmost sub-block with masks, every position at or above the threshold and always the
+    most confident one."""
 
     threshold: float = param(0.9, "commit positions whose probability reaches this (Fast-dLLM v2: 0.9)", ge=0.0)
     sub_block: int = param(8, "sub-block length, filled left to right (Fast-dLLM v2: 8)", ge=1)
+    first_token: bool = param(True, "commit the block's first masked position alone at its first step")
 
     def step(self, ctx: StepContext) -> Commit:
         tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generators)
         confidence = token_probability(ctx.logits, tokens)
         offset = ctx.positions - ctx.block_start  # [C]
         first = torch.where(ctx.eligible, offset, offset.max() + 1).amin(1, keepdim=True)  # leftmost mask
+        if self.first_token and ctx.step == 0:
+            return Commit(ctx.eligible & (offset == first), tokens, confidence)
         current = ctx.eligible & (offset // self.sub_block == first // self.sub_block)
         return Commit(threshold_commit(confidence, current, self.threshold), tokens, confidence)
 

@@ -166,15 +166,18 @@ def test_entropy_bounded_equals_the_reference_rule(bound):
 
 
 def test_sub_block_commits_only_in_the_leftmost_open_sub_block():
-    """Fast-dLLM v2: inside the leftmost sub-block with masks, every position at or above the threshold and
-    the most confident one; nothing in later sub-blocks."""
+    """Fast-dLLM v2: after a block's first step, inside the leftmost sub-block with masks, every position at or
+    above the threshold and the most confident one; nothing in later sub-blocks."""
     g = torch.Generator().manual_seed(8)
     logits = torch.randn(300, C, V, generator=g) * 6
     eligible = torch.rand(300, C, generator=g) < 0.5
     eligible[:, -1] = True
     ctx = StepContext(logits, eligible, eligible.clone(), torch.arange(C), torch.zeros(300, C, dtype=torch.long),
-                      0, 4, 0, [None] * 300, 0, 4, 0, C, 0, SimpleNamespace())
+                      1, 4, 0, [None] * 300, 0, 4, 0, C, 0, SimpleNamespace())
     ours = samplers.SAMPLERS.create("sub_block", sub_block=3, threshold=0.6).step(ctx).mask
+    ctx.step = 0  # a block's first step: its first masked position alone, the autoregressive step
+    first = samplers.SAMPLERS.create("sub_block", sub_block=3, threshold=0.6).step(ctx).mask
+    assert torch.equal(first, eligible & (eligible.cumsum(1) == 1))
     conf = token_probability(logits, logits.argmax(-1))
     for b in range(300):
         first = int(eligible[b].nonzero()[0]) // 3
