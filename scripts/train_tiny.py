@@ -1,9 +1,13 @@
-"""Train a tiny LLaDA or Dream on the synthetic task suite with the masked-diffusion SFT objective.
+"""Train a tiny LLaDA, Dream or SDAR on the synthetic task suite with the (block) masked-diffusion SFT objective.
 
 LLaDA SFT (arXiv 2502.09992, section 2.3): per sequence t ~ U(eps, 1); every answer position (the answer, its
 end-of-turn token and the end-of-text padding up to the answer length) is masked with probability t; the prompt is
 never masked; loss = sum over masked positions of CE / t, divided by the answer length. Dream trains the same way
 through its shifted logits (hidden i-1 predicts token i), which `DiffusionLM.run` handles via `logit_rows`.
+
+SDAR (`--arch sdar`, block-causal attention in blocks of `--block-size` RoPE positions) trains with the
+block-diffusion objective (`block_diffusion_loss`): a noise level t ~ U(eps, 1) per attention block of the answer,
+and the noisy copy of the sequence attends to the clean copy's earlier blocks in the same forward.
 
     python scripts/train_tiny.py --arch llada --out runs/tiny-llada --steps 4800 --train-per-family 40000 --bf16 --threads 1
 
@@ -32,23 +36,29 @@ from tqdm import tqdm
 
 from dllm import cache as caches
 from dllm import samplers as samplers_mod
-from dllm.engine import decode
+from dllm.engine import decode, generate
 from dllm.eval.synthetic import CHARSET, FAMILIES, make_split, score
 from dllm.loading import build_model, init_random, save_pretrained
 from dllm.models import ModelConfig
 from dllm.tokenizer import build_tokenizer
 
-END_OF_TURN = {"llada": "<|eot_id|>", "dream": "<|im_end|>"}
+END_OF_TURN = {"llada": "<|eot_id|>", "dream": "<|im_end|>", "sdar": "<|im_end|>"}
+TOKENIZER_STYLE = {"llada": "llada", "dream": "dream", "sdar": "dream"}  # SDAR: the Qwen chat format
 
 
-def model_config(arch: str, tok, size: dict, rope_theta: float) -> ModelConfig:
+def model_config(arch: str, tok, size: dict, rope_theta: float, block_size: int = 4) -> ModelConfig:
+    """LLaDA: Llama layout; Dream: Qwen2 (q/k/v bias, shifted logits); SDAR: Qwen3 (per-head q/k norm, no bias)
+    with block-causal attention in blocks of `block_size`."""
     eos, eot = tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids(END_OF_TURN[arch])
+    sdar = arch == "sdar"
     return ModelConfig(arch=arch, vocab_size=len(tok), hidden_size=size["d"], intermediate_size=size["ff"],
                        n_layers=size["layers"], n_heads=size["heads"], n_kv_heads=size["kv_heads"],
                        rms_norm_eps=1e-5 if arch == "llada" else 1e-6,
                        rope_theta=rope_theta, qkv_bias=arch == "dream",
                        logit_shift=int(arch == "dream"), mask_id=tok.mask_token_id, pad_id=eos,
-                       stop_ids=tuple(sorted({eos, eot})), filler_id=eos, max_length=256)
+                       stop_ids=tuple(sorted({eos, eot})), filler_id=eos, max_length=256,
+                       **(dict(head_size=size["d"] // size["heads"], qk_norm=True, block_size=block_size)
+                          if sdar else {}))
 
 
 def prompt_ids(tok, prompt: str) -> list[int]:
@@ -109,17 +119,111 @@ def masked_diffusion_loss(model, prompts, lengths, answers, generator, eps: floa
     return (ce * weight).sum() / answers.numel()
 
 
+def block_diffusion_mask(blocks: torch.Tensor, noisy: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """Which keys each query sees in the doubled sequence of `block_diffusion_inputs`, bool `[B, 1, N, N]`.
+
+    blocks `[B, N]`: attention block of every column (RoPE position // block size); noisy `[N]`: the column
+    belongs to the noisy copy; real `[B, N]`: not padding. A noisy query of block b sees the noisy keys of
+    block b and the clean keys of blocks < b; a clean query of block b sees the clean keys of blocks <= b (the
+    plain block-causal mask); no query sees a padding key. Every query also sees itself, so that a padding
+    query has a key (its output is never used)."""
+    qb, kb = blocks[:, :, None], blocks[:, None, :]
+    qn, kn = noisy[None, :, None], noisy[None, None, :]
+    see = torch.where(qn, torch.where(kn, kb == qb, kb < qb), ~kn & (kb <= qb)) & real[:, None, :]
+    see |= torch.eye(blocks.shape[1], dtype=torch.bool, device=blocks.device)
+    return see[:, None]
+
+
+def block_diffusion_inputs(cfg: ModelConfig, prompts, lengths, answers, generator, eps: float = 1e-3) -> dict:
+    """One forward's inputs for the block-diffusion loss (BD3-LM / SDAR training), laid out as the engine
+    decodes a block-causal model: every row's RoPE positions count from its first prompt token, the answer
+    follows the prompt, and the attention block the prompt ends in holds the prompt tail and the first answer
+    tokens.
+
+    x0 = [prompt | answer] (left padding as in `masked_diffusion_loss`); xt = x0 with each answer token
+    masked with probability t, one t ~ U(eps, 1) per attention block of each row. The forward sees
+    [xt ; x0] with positions [p ; p] under `block_diffusion_mask`, so the noisy copy of block b is predicted
+    from itself and the clean blocks < b, as when the engine decodes block b. The noisy copy starts
+    `block_size - 1` columns before the answer: every row's answer blocks and the prompt tail inside the
+    first one, nothing a noisy answer query sees is left out.
+
+    Returns tokens, positions `[B, N]`, key_mask `[B, 1, N, N]`, logit_rows `[B, A]` (the noisy answer
+    columns), masked `[B, A]` and t `[B, A]` (the noise level of each answer token's block)."""
+    if cfg.logit_shift:
+        raise ValueError("the block-diffusion loss needs position-aligned logits (logit_shift 0)")
+    batch = prompts.shape[0]
+    size = cfg.block_size
+    width = int(lengths.max())
+    prompts = prompts[:, -width:]
+    real = torch.cat((torch.arange(width)[None] >= (width - lengths)[:, None],
+                      torch.ones_like(answers, dtype=torch.bool)), 1)
+    positions = (real.long().cumsum(1) - 1).clamp(min=0)
+    blocks = positions // size
+    t_block = eps + (1 - eps) * torch.rand(batch, int(blocks.max()) + 1, generator=generator)
+    t = t_block.gather(1, blocks[:, width:])
+    masked = torch.rand(answers.shape, generator=generator) < t
+    noisy = torch.where(masked, cfg.mask_id, answers)
+    tail = max(width - (size - 1), 0)
+    tokens = torch.cat((prompts[:, tail:], noisy, prompts, answers), 1)
+    positions = torch.cat((positions[:, tail:], positions), 1)
+    real = torch.cat((real[:, tail:], real), 1)
+    is_noisy = torch.arange(tokens.shape[1]) < width - tail + answers.shape[1]  # the noisy copy's columns
+    key_mask = block_diffusion_mask(positions // size, is_noisy, real)
+    rows = (torch.arange(answers.shape[1]) + width - tail).expand(batch, -1)
+    return dict(tokens=tokens, positions=positions, key_mask=key_mask, logit_rows=rows, masked=masked, t=t)
+
+
+def block_diffusion_loss(model, prompts, lengths, answers, generator, eps: float = 1e-3,
+                         denominator: int | None = None) -> torch.Tensor:
+    """CE of the masked answer tokens of the noisy copy, each weighted 1/t of its block, divided by the
+    number of answer tokens (the normalisation of `masked_diffusion_loss`; `denominator` when the batch is
+    split, see `chunked_block_diffusion_loss`)."""
+    x = block_diffusion_inputs(model.config, prompts, lengths, answers, generator, eps)
+    device = model.device
+    logits = model.run(x["tokens"].to(device), x["positions"].to(device), x["key_mask"].to(device),
+                       logit_rows=x["logit_rows"].to(device))
+    ce = F.cross_entropy(logits.float().flatten(0, 1), answers.to(device).flatten(), reduction="none")
+    weight = (x["masked"] / x["t"]).to(device).flatten()
+    return (ce * weight).sum() / (denominator or answers.numel())
+
+
+def chunked_block_diffusion_loss(model, prompts, lengths, answers, generator, chunks: int = 4,
+                                 eps: float = 1e-3) -> torch.Tensor:
+    """`block_diffusion_loss` of a batch run as `chunks` forwards of rows of similar answer length, each
+    canvas cut after its longest answer's last attention block: a block-causal model decodes an answer to the
+    end of the block holding its end of turn and stops there, so nothing after that block needs training,
+    and short answers no longer pay for the longest one (about a third fewer tokens on the default mix).
+    Divided by the answer tokens fed (answer, end of turn, end-of-text padding to each chunk's width)."""
+    size = model.config.block_size
+    need = (answers != model.config.filler_id).sum(1)  # answer and end of turn
+    need = ((lengths + need + size - 1) // size * size - lengths).clamp(max=answers.shape[1])
+    order = need.argsort(stable=True)
+    groups = [g for g in order.tensor_split(min(chunks, len(order))) if len(g)]
+    widths = [int(need[g].max()) for g in groups]
+    total = sum(len(g) * w for g, w in zip(groups, widths))
+    return sum(block_diffusion_loss(model, prompts[g], lengths[g], answers[g, :w], generator, eps, total)
+               for g, w in zip(groups, widths))
+
+
 @torch.no_grad()
-def evaluate(model, tok, examples, answer_length: int, block_length: int) -> dict[str, float]:
-    """Exact match per family with vanilla decoding (low_confidence, one token per step, T = 0)."""
+def evaluate(model, tok, examples, answer_length: int, block_length: int, sampler: str = "low_confidence"
+             ) -> dict[str, float]:
+    """Exact match per family with vanilla decoding (low_confidence, one token per step, T = 0), or `sampler`.
+    A block-causal model (SDAR) decodes in its attention blocks, its answers starting at each row's prompt end
+    (not at one canvas column), so they are read through `generate`."""
     model.eval()
     ids = [prompt_ids(tok, ex.prompt) for ex in examples]
-    canvas, _, _ = decode(model, ids, samplers_mod.SAMPLERS.create("low_confidence"), caches.CACHES.create("none"),
-                          answer_length, block_length)
+    if model.config.block_size:
+        texts = generate(model, tok, ids, sampler=sampler, cache="none", gen_length=answer_length,
+                         block_length=model.config.block_size).texts
+    else:
+        canvas, _, _ = decode(model, ids, samplers_mod.SAMPLERS.create(sampler), caches.CACHES.create("none"),
+                              answer_length, block_length)
+        texts = [tok.decode(row, skip_special_tokens=True) for row in canvas.tokens[:, canvas.prompt_length:].tolist()]
     model.train()
     hits: dict[str, list[bool]] = {f: [] for f in FAMILIES}
-    for ex, row in zip(examples, canvas.tokens[:, canvas.prompt_length:].tolist()):
-        hits[ex.family].append(score(ex, tok.decode(row, skip_special_tokens=True)))
+    for ex, text in zip(examples, texts):
+        hits[ex.family].append(score(ex, text))
     acc = {f: sum(h) / len(h) for f, h in hits.items() if h}
     acc["mean"] = sum(acc.values()) / len(acc)
     return acc
@@ -162,7 +266,7 @@ def load_state(state_dir: Path, model, optimizer) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arch", choices=("llada", "dream"), required=True)
+    ap.add_argument("--arch", choices=("llada", "dream", "sdar"), required=True)
     ap.add_argument("--out", required=True, help="output Hugging Face directory")
     ap.add_argument("--state", default=None, help="run state directory for resuming (default runs/train-ARCH)")
     ap.add_argument("--steps", type=int, default=4000)
@@ -172,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=None, help="default: heads (LLaDA), heads/2 (Dream)")
+    ap.add_argument("--kv-heads", type=int, default=None, help="default: heads (LLaDA), heads/2 (Dream, SDAR)")
     ap.add_argument("--ff", type=int, default=None, help="default: 3 * d")
     ap.add_argument("--answer-length", type=int, default=64, help="longest answer canvas (with padding)")
     ap.add_argument("--min-answer-length", type=int, default=48, help="shortest answer canvas of a batch")
@@ -180,7 +284,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mix", default="copy:1,reverse:1,sort:2,count:1.5,add:2",
                     help="sampling weight per family")
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast for the forward and backward")
-    ap.add_argument("--block-length", type=int, default=32, help="blocks used by the periodic evaluation")
+    ap.add_argument("--block-size", type=int, default=4,
+                    help="SDAR's attention block (RoPE positions), as the released SDAR chat models")
+    ap.add_argument("--chunks", type=int, default=4,
+                    help="SDAR: forwards per batch, rows grouped by answer length (less padding)")
+    ap.add_argument("--block-length", type=int, default=None,
+                    help="blocks used by the periodic evaluation (default 32; SDAR: its --block-size)")
     ap.add_argument("--train-per-family", type=int, default=100_000)
     ap.add_argument("--eval-every", type=int, default=500)
     ap.add_argument("--eval-per-family", type=int, default=20)
@@ -190,16 +299,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
+    if args.block_size < 1:
+        raise ValueError(f"--block-size must be at least 1, got {args.block_size}")
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     out = Path(args.out)
     state_dir = Path(args.state or f"runs/train-{args.arch}")
 
-    tok = build_tokenizer(args.arch, CHARSET)
+    tok = build_tokenizer(TOKENIZER_STYLE[args.arch], CHARSET)
     size = dict(d=args.d, layers=args.layers, heads=args.heads, ff=args.ff or 3 * args.d,
                 kv_heads=args.kv_heads or (args.heads if args.arch == "llada" else max(args.heads // 2, 1)))
-    model = build_model(model_config(args.arch, tok, size, args.rope_theta), args.device, torch.float32)
+    model = build_model(model_config(args.arch, tok, size, args.rope_theta, args.block_size), args.device,
+                        torch.float32)
     init_random(model, args.seed)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
@@ -218,6 +330,7 @@ def main(argv: list[str] | None = None) -> None:
     if not longest <= args.min_answer_length <= args.answer_length:
         raise ValueError(f"--min-answer-length must be in [{longest}, --answer-length], got {args.min_answer_length}")
 
+    block_length = args.block_length or (args.block_size if args.arch == "sdar" else 32)
     began = time.time()
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc=f"train {args.arch}")
     for step in bar:
@@ -229,7 +342,10 @@ def main(argv: list[str] | None = None) -> None:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
         with torch.autocast(model.device.type, torch.bfloat16, enabled=args.bf16):
-            loss = masked_diffusion_loss(model, prompts[idx], lengths[idx], answers[idx, :width], g)
+            if args.arch == "sdar":  # block diffusion, the canvas cut per chunk (`chunked_block_diffusion_loss`)
+                loss = chunked_block_diffusion_loss(model, prompts[idx], lengths[idx], answers[idx], g, args.chunks)
+            else:
+                loss = masked_diffusion_loss(model, prompts[idx], lengths[idx], answers[idx, :width], g)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -239,9 +355,12 @@ def main(argv: list[str] | None = None) -> None:
         if done % args.save_every == 0 or done == args.steps:
             save_state(state_dir, model, optimizer, done)
         if done % args.eval_every == 0 or done == args.steps:
-            acc = evaluate(model, tok, held_out, args.answer_length, args.block_length)
+            acc = evaluate(model, tok, held_out, args.answer_length, block_length)
             tqdm.write(f"step {done} ({(time.time() - began) / 60:.1f} min): "
                        + " ".join(f"{k} {v:.2f}" for k, v in acc.items()))
+            if args.arch == "sdar":  # also SDAR's own decoding (threshold 0.85, at least one token a step)
+                acc = evaluate(model, tok, held_out, args.answer_length, block_length, "low_confidence_dynamic")
+                tqdm.write("  low_confidence_dynamic: " + " ".join(f"{k} {v:.2f}" for k, v in acc.items()))
     model.eval()
     save_pretrained(model, tok, out)
     print(f"saved {out} after {(time.time() - began) / 60:.1f} min")
