@@ -155,7 +155,7 @@ class PlanContext:
     lo: int  # canvas positions [lo, hi) need logits
     hi: int
     shift: int  # 1 for AR-shifted models (Dream): position i is scored by row i - 1
-    arch: str  # "llada" | "dream": whose papers' defaults apply (aligned logits: LLaDA's; shifted: Dream's)
+    family: str  # "llada" | "dream": whose papers' defaults apply (aligned logits: LLaDA's; shifted: Dream's)
 
 
 @dataclass

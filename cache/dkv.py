@@ -41,8 +41,8 @@ class DkvDecode(Cache):
         step 1, whose step 0 writes no cache; Dream's does not). Otherwise the rows not yet decoded when the
         previous step was planned: the masks and the tokens decoded at the previous step. For Dream, row j is
         kept while token j + 1 is masked, its prediction (the reference's `shift_type='un'`)."""
-        period = self.refresh_every or DECODE_REFRESH[plan.arch]
-        if plan.decoded is None or plan.step % period == 0 or (plan.step == 1 and plan.arch == "llada"):
+        period = self.refresh_every or DECODE_REFRESH[plan.family]
+        if plan.decoded is None or plan.step % period == 0 or (plan.step == 1 and plan.family == "llada"):
             return Rows(slice(0, plan.masked.shape[1]))
         return index_rows(predicting_rows(plan.masked | plan.decoded, plan.shift))
 

@@ -69,7 +69,7 @@ class ElasticCache(Cache):
         masked = plan.masked
         scored = torch.zeros_like(masked)
         scored[:, plan.lo:plan.hi] = True
-        beta = self.window_length or WINDOW[plan.arch]
+        beta = self.window_length or WINDOW[plan.family]
         window = predicting_rows(masked & ((masked.cumsum(1) <= beta) | scored), plan.shift)
         active = None if plan.decoded is None else plan.decoded | kv.tracked.any(0) | window
         return kv.start(plan.canvas, masked, window, active)

@@ -59,8 +59,7 @@ def bench(model, sampler, cache, gen_length: int, block_length: int, steps: int 
     cfg = model.config
     described = {"arch": cfg.arch, "parameters": cfg.num_parameters(), "dtype": str(model.dtype).removeprefix("torch.")}
     if cfg.moe is not None:  # the weights one forward reads: all but the routed experts its tokens did not choose
-        routed = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers)) * cfg.moe.n_experts * 3 * cfg.hidden_size \
-            * cfg.moe.expert_size
+        routed = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers)) * cfg.moe.routed_parameters(cfg.hidden_size)
         described["experts_read"] = expert_fraction(model, prompts, sampler, cache, block_length, steps, seed)
         described["parameters_read"] = round(cfg.num_parameters() - routed * (1 - described["experts_read"]))
     return {

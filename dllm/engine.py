@@ -439,7 +439,7 @@ class Batch:
             next_commits = sampler.next_commits(self.state) if cache.needs_next_commits else None
             return lo, hi, cache.plan(kv, caches.PlanContext(
                 canvas=canvas, masked=masked, decoded=decoded, next_commits=next_commits, step=step, start=start,
-                end=end, lo=lo, hi=hi, shift=cfg.logit_shift, arch="dream" if cfg.logit_shift else "llada"))
+                end=end, lo=lo, hi=hi, shift=cfg.logit_shift, family="dream" if cfg.logit_shift else "llada"))
 
         def open_rows(start: int, end: int, again: Tensor | None = None) -> Tensor:
             """[B] rows with a mask left in the block, or (token editing) asking for another step."""

@@ -39,11 +39,9 @@ if [ -n "$SDAR_MODEL" ]; then
   done
 fi
 if [ -n "$LLADA2_MODEL" ]; then
-  block=$(python -c "import dllm.models as m; print(m.PRESETS['${LLADA2_MODEL#random:}'].block_size)" 2>/dev/null || echo 32)
   for batch in 1 8; do
     dllm bench --model "$LLADA2_MODEL" --device "$DEVICE" --dtype "$DTYPE" --sampler low_confidence --cache block \
-      --gen-length "$GEN" --block-length "$block" --batch-size "$batch" --repeats 2 --json \
-      > "$OUT/llada2-block-b$batch.json"
+      --gen-length "$GEN" --batch-size "$batch" --repeats 2 --json > "$OUT/llada2-block-b$batch.json"
   done
 fi
 python - "$OUT" <<'EOF'

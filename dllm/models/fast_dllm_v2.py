@@ -32,6 +32,6 @@ def hf_config(cfg: ModelConfig) -> dict:
 
 PRESETS = {
     "fast-dllm-v2-7b": dataclasses.replace(dream.PRESETS["dream-7b"], arch="fast_dllm_v2", mask_id=151665,
-                                           block_size=32, vocab_size=152064, max_length=32768),
+                                           block_size=32, max_length=32768),
     "fast-dllm-v2-tiny": dataclasses.replace(dream.PRESETS["dream-tiny"], arch="fast_dllm_v2", block_size=4),
 }

@@ -31,9 +31,13 @@ class MoEConfig:
     normalize: bool = False  # the chosen weights renormalised to sum 1 (norm_topk_prob)
     scaling: float = 1.0  # routed_scaling_factor
 
+    def routed_parameters(self, d: int) -> int:
+        """Parameters of one layer's routed experts (what a forward reads only for the experts chosen)."""
+        return self.n_experts * 3 * d * self.expert_size
+
     def layer_parameters(self, d: int) -> int:
         """Parameters of one MoE layer (router, bias, routed and shared experts)."""
-        return self.n_experts * (d + self.expert_bias + 3 * d * self.expert_size) + 3 * d * self.shared_size
+        return self.n_experts * (d + self.expert_bias) + self.routed_parameters(d) + 3 * d * self.shared_size
 
 
 def swiglu_names(checkpoint: str, gate_up: str, down: str) -> dict[str, str]:
