@@ -250,9 +250,9 @@ def check_policies(model: DiffusionLM, sampler: Sampler, cache: Cache, compile: 
         raise DllmError(f"cache {cache.name!r} chooses rows for full attention; on a block-causal model "
                         f"({cfg.arch}) use cache block (exact), none, prefix or dual")
     check_compile(cache, compile)
-    if compile and cfg.moe is not None:
-        raise DllmError(f"--compile does not cover MoE layers ({cfg.arch}: grouping tokens by expert has "
-                        f"data-dependent shapes); drop --compile (compile=False)")
+    if compile and cfg.moe is not None and model.dtype != torch.bfloat16:
+        raise DllmError(f"MoE layers ({cfg.arch}) compile in bfloat16 only (torch's grouped matmul traces for no "
+                        f"other type); use --dtype bfloat16 or drop --compile")
 
 
 def check_block_layout(model: DiffusionLM, block_length: int) -> None:

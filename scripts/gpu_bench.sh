@@ -2,13 +2,13 @@
 # The GPU table of BENCHMARKS.md in one command: `dllm bench` on random:llada-8b in bf16, caches none and dual,
 # batch 1 and 8, eager and --compile; ms per full and per cached (32-row) forward against the weight-read floor
 # (the bf16 weights read once per forward at the HBM bandwidth of the card). COMPILE=0 skips the compiled runs.
-# Then the block-diffusion models with their exact block cache, batch 1 and 8, eager: random:sdar-8b (block 4;
-# SDAR_MODEL= empty skips it) and the MoE random:llada2-mini (block 32; LLADA2_MODEL= empty skips it), whose
-# floor counts only the experts its forwards read (`dllm bench` measures the fraction).
+# Then the block-diffusion models with their exact block cache, batch 1 and 8, eager and compiled: random:sdar-8b
+# (block 4; SDAR_MODEL= empty skips it) and the MoE random:llada2-mini (block 32; LLADA2_MODEL= empty skips it),
+# whose floor counts only the experts its forwards read (`dllm bench` measures the fraction).
 #
 #   scripts/gpu_bench.sh                         # writes runs/gpu-bench/*.json and prints the Markdown table
 #   MODEL=random:llada-tiny SDAR_MODEL=random:sdar-tiny LLADA2_MODEL=random:llada2-tiny DEVICE=cpu DTYPE=float32 \
-#       GEN=64 scripts/gpu_bench.sh
+#       GEN=64 COMPILE=0 scripts/gpu_bench.sh
 set -euo pipefail
 MODEL=${MODEL:-random:llada-8b}
 DEVICE=${DEVICE:-cuda}
@@ -32,18 +32,21 @@ for mode in $modes; do
     done
   done
 done
-if [ -n "$SDAR_MODEL" ]; then
+for mode in $modes; do  # the block-diffusion models (MoE layers compile in bf16)
+  flag=""
+  [ "$mode" = compile ] && flag="--compile"
   for batch in 1 8; do
-    dllm bench --model "$SDAR_MODEL" --device "$DEVICE" --dtype "$DTYPE" --sampler low_confidence --cache block \
-      --gen-length "$GEN" --block-length 4 --batch-size "$batch" --repeats 2 --json > "$OUT/sdar-block-b$batch.json"
+    if [ -n "$SDAR_MODEL" ]; then
+      dllm bench --model "$SDAR_MODEL" --device "$DEVICE" --dtype "$DTYPE" --sampler low_confidence --cache block \
+        --gen-length "$GEN" --block-length 4 --batch-size "$batch" --repeats 2 $flag --json \
+        > "$OUT/sdar-$mode-block-b$batch.json"
+    fi
+    if [ -n "$LLADA2_MODEL" ]; then
+      dllm bench --model "$LLADA2_MODEL" --device "$DEVICE" --dtype "$DTYPE" --sampler low_confidence --cache block \
+        --gen-length "$GEN" --batch-size "$batch" --repeats 2 $flag --json > "$OUT/llada2-$mode-block-b$batch.json"
+    fi
   done
-fi
-if [ -n "$LLADA2_MODEL" ]; then
-  for batch in 1 8; do
-    dllm bench --model "$LLADA2_MODEL" --device "$DEVICE" --dtype "$DTYPE" --sampler low_confidence --cache block \
-      --gen-length "$GEN" --batch-size "$batch" --repeats 2 --json > "$OUT/llada2-block-b$batch.json"
-  done
-fi
+done
 python - "$OUT" <<'EOF'
 import json
 import sys

@@ -278,14 +278,29 @@ def test_sdar_moe_equals_qwen3_moe_under_a_block_causal_mask(tmp_path):
 
 
 def test_experts_without_grouped_mm_agree():
-    """The per-expert fallback (a GPU in fp32/fp16; fp64 here) computes what F.grouped_mm does; a model with MoE
-    layers refuses --compile with the reason."""
+    """The per-expert fallback (a GPU in fp32/fp16; fp64 here) computes what F.grouped_mm does; outside bf16 a
+    model with MoE layers refuses --compile with the fix."""
     model = dllm.load("random:llada2-tiny", seed=1)[0]
     x = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         grouped = model.layers[1].moe(x)
         looped = model.layers[1].moe.double()(x.double())
     assert (grouped.double() - looped).abs().max() < 1e-5
-    with pytest.raises(dllm.DllmError, match="--compile does not cover MoE layers"):
+    with pytest.raises(dllm.DllmError, match=r"MoE layers \(llada2\) compile in bfloat16 only .* use --dtype "
+                                             r"bfloat16 or drop --compile"):
         decode(dllm.load("random:llada2-tiny")[0], PROMPTS, samplers.SAMPLERS.create("low_confidence"),
                caches.CACHES.create("block"), 8, 4, compile=True)
+
+
+@pytest.mark.parametrize("cache", ["block", "dual"])
+def test_moe_decoding_compiles_to_one_graph_in_bf16(monkeypatch, cache):
+    """In bf16 the MoE layers (tokens sorted by expert, static-shape group ends, F.grouped_mm) trace with the rest
+    of the block step into one graph (`fullgraph=True` fails on any break); the compiled decode gives the eager
+    tokens (aot_eager runs the traced aten ops, so equality is exact)."""
+    model = dllm.load("random:llada2-tiny", dtype=torch.bfloat16, seed=3)[0]
+    args = (model, PROMPTS, samplers.SAMPLERS.create("threshold", threshold=0.5), caches.CACHES.create(cache), 8, 4)
+    want = decode(*args)[0].tokens
+    torch._dynamo.reset()
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, **kw, backend="aot_eager"))
+    assert torch.equal(decode(*args, compile=True)[0].tokens, want)

@@ -8,16 +8,23 @@ import dllm
 from dllm.cli import main
 from dllm.eval.synthetic import make_split, score
 
-HELD_OUT = make_split("test", 10)  # the first ten held-out items of every family (both models learned them all)
+HELD_OUT = make_split("test", 10)  # the first ten held-out items of every family (every shipped model learned them)
 
 
-@pytest.fixture(scope="module", params=["tiny-llada", "tiny-dream"])
+@pytest.fixture(scope="module", params=["tiny-llada", "tiny-dream", "tiny-sdar"])
 def shipped(request):
     return dllm.load(request.param)
 
 
+@pytest.fixture
+def fast_cache(shipped):
+    """Fast-dLLM's dual cache, or on a block-causal model its exact finished-block cache."""
+    return "block" if shipped[0].config.block_size else "dual"
+
+
 def answers(model, tok, **kwargs):
-    return dllm.generate(model, tok, [ex.prompt for ex in HELD_OUT], gen_length=64, block_length=32, **kwargs)
+    """Blocks of the model's default: 32, or a block-causal model's attention block (tiny-sdar: 4)."""
+    return dllm.generate(model, tok, [ex.prompt for ex in HELD_OUT], gen_length=64, **kwargs)
 
 
 def assert_solved(texts):
@@ -33,21 +40,21 @@ def test_vanilla_decoding_solves_held_out_items(shipped):
     assert_solved(answers(*shipped).texts)
 
 
-def test_decoding_is_deterministic(shipped):
-    assert answers(*shipped, cache="dual").token_ids == answers(*shipped, cache="dual").token_ids
+def test_decoding_is_deterministic(shipped, fast_cache):
+    assert answers(*shipped, cache=fast_cache).token_ids == answers(*shipped, cache=fast_cache).token_ids
 
 
-def test_threshold_decoding_keeps_the_answers_with_fewer_forwards(shipped):
-    fast = answers(*shipped, sampler="threshold", cache="dual", threshold=0.9)
+def test_threshold_decoding_keeps_the_answers_with_fewer_forwards(shipped, fast_cache):
+    fast = answers(*shipped, sampler="threshold", cache=fast_cache, threshold=0.9)
     assert_solved(fast.texts)
     assert fast.stats.tpf >= 2.0
 
 
-@pytest.mark.parametrize("cache", ["none", "dual"])
-def test_speculative_is_vanilla_with_fewer_forwards(shipped, cache):
+@pytest.mark.parametrize("cached", [False, True])
+def test_speculative_is_vanilla_with_fewer_forwards(shipped, fast_cache, cached):
     model, tok = shipped
     prompts = [ex.prompt for ex in HELD_OUT[::10]]  # one item per family
-    args = dict(gen_length=64, block_length=32, cache=cache, stop_early=False)
+    args = dict(gen_length=64, cache=fast_cache if cached else "none", stop_early=False)
     vanilla = dllm.generate(model, tok, prompts, **args)
     fast = dllm.generate(model, tok, prompts, sampler="speculative", draft_steps=4, **args)
     assert torch.equal(fast.sequences, vanilla.sequences)

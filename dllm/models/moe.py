@@ -5,7 +5,8 @@ the probabilities) and LLaDA2's sigmoid group-limited router (DeepSeek-V3's "noa
 chooses, the unbiased sigmoid scores weigh, renormalised and scaled). Routed experts are SwiGLUs stored
 stacked (`[E, 2F, D]` gate|up, `[E, D, F]` down) and computed grouped by expert: the token copies are sorted by
 expert and two `F.grouped_mm` calls run every expert's rows, with no loop over tokens or experts and no host
-sync. Shared experts are one dense SwiGLU added to the routed output.
+sync, so in bf16 the layer compiles into the model's graph (`--compile`). Shared experts are one dense SwiGLU
+added to the routed output.
 """
 from __future__ import annotations
 
@@ -106,9 +107,10 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         chosen, weights = self.route(x)
-        order = chosen.flatten().argsort(stable=True)  # token copies grouped by expert
+        experts, order = chosen.flatten().sort(stable=True)  # token copies grouped by expert
         token = order // self.cfg.top_k
-        ends = torch.bincount(chosen.flatten(), minlength=self.cfg.n_experts).cumsum(0).to(torch.int32)
+        ends = torch.searchsorted(experts, torch.arange(self.cfg.n_experts, device=x.device), right=True)
+        ends = ends.to(torch.int32)  # where each expert's rows end; a static shape, unlike bincount's
         gate, up = grouped_matmul(x[token], self.experts_gate_up.transpose(1, 2), ends).chunk(2, dim=-1)
         out = grouped_matmul(F.silu(gate) * up, self.experts_down.transpose(1, 2), ends)
         out = out * weights.flatten()[order, None].to(out.dtype)
