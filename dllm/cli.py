@@ -12,7 +12,7 @@ from typing import Any
 from dllm import cache as caches
 from dllm import samplers as samplers_mod
 
-from .engine import decoding_lengths
+from .engine import decoding_lengths, default_cache
 from .errors import DllmError
 
 DEFAULT_MODEL = "tiny-llada"
@@ -34,7 +34,7 @@ def _add_decoding_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU)")
     p.add_argument("--sampler", default="low_confidence")
     p.add_argument("--sampler-arg", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--cache", default="none")
+    p.add_argument("--cache", default=None, help="(default: block on a block-causal model, else none)")
     p.add_argument("--cache-arg", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--gen-length", type=int, default=None,
                    help="answer tokens (default: the model's generation_config.json, else 64)")
@@ -43,18 +43,28 @@ def _add_decoding_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile", action="store_true",
-                   help="run the model under torch.compile (caches none, prefix, dual; compiling takes a while)")
+                   help="run the model under torch.compile (caches none, prefix, dual, block; compiling takes a while)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap prompts in the chat template (default: when the tokenizer has one)")
 
 
 def _policies(args) -> tuple[Any, Any]:
+    """The sampler and cache of the flags, checked before the model loads; no --cache gives None, which
+    `_model_cache` turns into the model's default."""
     sampler_args = _key_values(args.sampler_arg, "--sampler-arg")
     if args.temperature is not None:
         sampler_args["temperature"] = args.temperature
     sampler = samplers_mod.SAMPLERS.create(args.sampler, **sampler_args)
-    cache = caches.CACHES.create(args.cache, **_key_values(args.cache_arg, "--cache-arg"))
+    cache_args = _key_values(args.cache_arg, "--cache-arg")
+    if args.cache is None and cache_args:
+        raise DllmError(f"--cache-arg {args.cache_arg[0]} needs --cache NAME (the default caches take no parameters)")
+    cache = None if args.cache is None else caches.CACHES.create(args.cache, **cache_args)
     return sampler, cache
+
+
+def _model_cache(cache, model):
+    """The cache of the flags, or the model's default (`engine.default_cache`)."""
+    return caches.CACHES.create(default_cache(model)) if cache is None else cache
 
 
 def _stdin_lines():
@@ -109,6 +119,7 @@ def _generate(args) -> int:
         _check_writable_file(args.trace, "--trace")
     sampler, cache = _policies(args)
     model, tok = dllm.load(args.model, device=args.device, dtype=args.dtype)
+    cache = _model_cache(cache, model)
     lengths = decoding_lengths(model, args.gen_length, args.block_length, args.steps)
     with _progress(args, len(prompts) * lengths["gen_length"], "generate") as bar:
         out = dllm.generate(model, tok, prompts, sampler=sampler, cache=cache, **lengths, seed=args.seed,
@@ -135,6 +146,7 @@ def _chat(args) -> int:
 
     sampler, cache = _policies(args)
     model, tok = dllm.load(args.model, device=args.device, dtype=args.dtype)
+    cache = _model_cache(cache, model)
     if getattr(tok, "chat_template", None) is None:
         raise DllmError(f"{args.model} has no chat template; use `dllm generate --no-chat`")
     lengths = decoding_lengths(model, args.gen_length, args.block_length, args.steps)
@@ -196,13 +208,14 @@ def _run_eval(args) -> int:
         sampler, cache = _policies(args)
         device = f"cuda:{state.local_process_index}" if args.device == "cuda" else args.device  # one GPU each
         model, tok = dllm.load(args.model, device=device, dtype=args.dtype)
+        cache = _model_cache(cache, model)
         decode_args = dict(**decoding_lengths(model, args.gen_length, args.block_length, args.steps),
                            seed=args.seed, chat=args.chat, model_name=args.model, compile=args.compile,
                            **data_args)
         if args.sweep:
             if not args.output:
                 raise DllmError("--sweep needs --output DIR (one folder per point, sweep.json, pareto.png)")
-            result = run_sweep(model, tok, args.task, args.sweep, args.output, args.sampler, args.cache,
+            result = run_sweep(model, tok, args.task, args.sweep, args.output, args.sampler, cache.name,
                                sampler_args, cache_args, **decode_args)
             if state.is_main_process:
                 if result.get("plot") is None:
@@ -236,6 +249,7 @@ def _bench(args) -> int:
             raise DllmError(f"{flag} must be at least 1, got {value}")
     sampler, cache = _policies(args)
     model, _ = dllm.load(args.model, device=args.device, dtype=args.dtype)
+    cache = _model_cache(cache, model)
     lengths = decoding_lengths(model, args.gen_length, args.block_length, args.steps)
     total = args.batch_size * (1 + args.repeats) * lengths["gen_length"]  # warm-up + runs
     with _progress(args, total, "bench") as bar:
@@ -265,7 +279,7 @@ def _serve_setup(args):
     sampler_args = _key_values(args.sampler_arg, "--sampler-arg")
     if args.temperature is not None:
         sampler_args["temperature"] = args.temperature
-    defaults = {"sampler": args.sampler, "cache": args.cache, "sampler_args": sampler_args,
+    defaults = {"sampler": args.sampler, "cache": args.cache or default_cache(model), "sampler_args": sampler_args,
                 "cache_args": _key_values(args.cache_arg, "--cache-arg"), "gen_length": args.gen_length,
                 "block_length": args.block_length, "steps": args.steps, "seed": args.seed}
     return model, tok, defaults

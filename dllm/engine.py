@@ -635,6 +635,12 @@ def split_params(sampler: str | Sampler, cache: str | Cache, params: dict[str, A
     return samplers_mod.SAMPLERS.create(sampler, **s_args), caches.CACHES.create(cache, **c_args)
 
 
+def default_cache(model: DiffusionLM) -> str:
+    """The cache used when none is named: on a block-causal model the exact finished-block cache (the tokens of
+    recomputing everything, far fewer rows computed), else none (the papers' vanilla decoding)."""
+    return "block" if model.config.block_size else "none"
+
+
 DEFAULT_GEN_LENGTH = 64  # answer tokens: the canvas the shipped tiny models were trained on (48..64)
 DEFAULT_BLOCK_LENGTH = 32
 
@@ -668,7 +674,7 @@ def lengths_for_answer(lengths: dict[str, int | None], max_tokens: int | None) -
 
 
 def generate(model: DiffusionLM, tokenizer, prompts, sampler: str | Sampler = "low_confidence",
-             cache: str | Cache = "none", gen_length: int | None = None, block_length: int | None = None,
+             cache: str | Cache | None = None, gen_length: int | None = None, block_length: int | None = None,
              steps: int | None = None, seed: int = 0, chat: bool | None = None, stop_early: bool = True,
              trace: bool = False, sampler_args: dict[str, Any] | None = None,
              cache_args: dict[str, Any] | None = None, callback: Callable[[dict], None] | None = None,
@@ -676,12 +682,14 @@ def generate(model: DiffusionLM, tokenizer, prompts, sampler: str | Sampler = "l
     """Generate answers for a batch of prompts (strings, or lists of token ids).
 
     `params` go to the sampler or the cache by name (e.g. `threshold=0.9`, `temperature=0.5`,
-    `refresh_every=4`); a name both take goes in `sampler_args`/`cache_args`. gen_length and block_length
+    `refresh_every=4`); a name both take goes in `sampler_args`/`cache_args`. `cache` defaults to
+    `default_cache(model)` (block-causal models: `block`; others: `none`). gen_length and block_length
     default to the model directory's `generation_config.json`, else 64 and 32; steps to gen_length (one token
     per step for schedule-driven samplers). `callback` is called after every step (see `decode`). `compile`
-    runs the model under `torch.compile` (caches none, prefix, dual; the first calls compile, minutes on a CPU
-    for a large model)."""
-    sampler, cache = split_params(sampler, cache, params, sampler_args, cache_args)
+    runs the model under `torch.compile` (caches none, prefix, dual, block; the first calls compile, minutes on a
+    CPU for a large model)."""
+    sampler, cache = split_params(sampler, default_cache(model) if cache is None else cache, params, sampler_args,
+                                  cache_args)
     lengths = decoding_lengths(model, gen_length, block_length, steps)
     check_int("seed", seed)
     for name, flag in (("stop_early", stop_early), ("trace", trace), ("compile", compile)):

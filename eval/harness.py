@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from dllm.engine import check_compile, check_int, decoding_lengths, encode_prompts, generate, split_params
+from dllm.engine import (check_compile, check_int, decoding_lengths, default_cache, encode_prompts, generate,
+                         split_params)
 from dllm.errors import DllmError
 
 from .tasks import Item, get_task
@@ -30,7 +31,7 @@ from .tasks import Item, get_task
 VERSIONED_PACKAGES = ("dllm-fast", "torch", "transformers", "tokenizers", "accelerate")
 
 
-def evaluate(model, tokenizer, task: str, sampler: str | Any = "low_confidence", cache: str | Any = "none",
+def evaluate(model, tokenizer, task: str, sampler: str | Any = "low_confidence", cache: str | Any = None,
              gen_length: int | None = None, block_length: int | None = None, steps: int | None = None,
              limit: int | None = None, batch_size: int = 16, output: str | Path | None = None, seed: int = 0,
              chat: bool | None = None,
@@ -55,7 +56,8 @@ def evaluate(model, tokenizer, task: str, sampler: str | Any = "low_confidence",
     config: dict[str, Any] = {"task": task, "num_fewshot": shots, "data": source, "limit": limit,
                               "batch_size": batch_size, "gold": gold}
     if not gold:
-        sampler, cache = split_params(sampler, cache, {}, sampler_args, cache_args)
+        sampler, cache = split_params(sampler, default_cache(model) if cache is None else cache, {}, sampler_args,
+                                      cache_args)
         check_compile(cache, compile)
         chat = getattr(tokenizer, "chat_template", None) is not None if chat is None else chat
         gen_length, block_length, steps = decoding_lengths(model, gen_length, block_length, steps).values()

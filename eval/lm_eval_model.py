@@ -46,7 +46,7 @@ class DllmLM(LM):
     """Answers lm-eval requests (objects whose `.args` is `(context, {"until": [...], ...})` for generation,
     `(context, continuation)` for likelihoods, `(text,)` for rolling likelihoods)."""
 
-    def __init__(self, model: str = "tiny-llada", sampler: str = "low_confidence", cache: str = "none",
+    def __init__(self, model: str = "tiny-llada", sampler: str = "low_confidence", cache: str | None = None,
                  gen_length: int | None = None, block_length: int | None = None, steps: int | None = None,
                  seed: int = 0, device: str | None = None, dtype: str | None = None, batch_size: int | str = 1,
                  max_batch_size: int | None = None, mc_num: int = 128, mc_batch_size: int = 32, cfg: float = 0.0,
@@ -55,11 +55,12 @@ class DllmLM(LM):
         import dllm
         from accelerate import PartialState
 
-        from dllm.engine import check_int, decoding_lengths, split_params
+        from dllm.engine import check_int, decoding_lengths, default_cache, split_params
 
         if not str(batch_size).isdigit() or int(batch_size) < 1:
             raise DllmError(f"batch_size must be a positive integer, got {batch_size!r}")
-        self.sampler, self.cache = split_params(sampler, cache, params)
+        # bad parameters fail before the weights load (the default caches, none and block, take none)
+        split_params(sampler, "none" if cache is None else cache, params)
         device = _device(device)
         state = PartialState(cpu=device == "cpu")
         self._rank, self._world_size = state.process_index, state.num_processes
@@ -67,6 +68,7 @@ class DllmLM(LM):
             device = f"cuda:{state.local_process_index}"
         self.model, self.tokenizer = dllm.load(model, device=device, dtype=dtype)
         self._device = self.model.device
+        self.sampler, self.cache = split_params(sampler, default_cache(self.model) if cache is None else cache, params)
         if self._world_size > 1:
             from accelerate import Accelerator
 

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from dllm.engine import split_params
+from dllm.engine import default_cache, split_params
 from dllm.errors import DllmError
 
 from .harness import evaluate
@@ -64,12 +64,13 @@ def pareto_front(rows: list[dict]) -> list[dict]:
 
 
 def run_sweep(model, tokenizer, task: str, points: list[str], output: str | Path, sampler: str = "low_confidence",
-              cache: str = "none", sampler_args: dict | None = None, cache_args: dict | None = None,
+              cache: str | None = None, sampler_args: dict | None = None, cache_args: dict | None = None,
               **eval_args: Any) -> dict[str, Any]:
     """Evaluate every point into `output/<point>/`, then write `sweep.json`, `sweep.md` and `pareto.png`."""
     from accelerate import PartialState
 
     output = Path(output)
+    cache = default_cache(model) if cache is None else cache
     rows = []
     for spec in points:
         point = parse_point(spec)

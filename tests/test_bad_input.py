@@ -70,6 +70,7 @@ CLI_CASES = [
     (["generate", "x", "--sampler", "threshold", "--sampler-arg", "threshold=yes"], "threshold must be float", None, []),
     (["generate", "x", "--cache", "elastic", "--cache-arg", "gamma=nan"], "gamma must be a number, got nan", None, []),
     (["generate", "x", "--cache", "dual", "--cache-arg", "refresh_every=1.5"], "refresh_every must be int", None, []),
+    (["generate", "x", "--cache-arg", "refresh_every=2"], "--cache-arg refresh_every=2 needs --cache NAME", None, []),
     (["generate", "x", "--sampler-arg", "temperature"], "--sampler-arg expects KEY=VALUE", None, []),
     (["generate", "x", "--sampler", "speculative", "--cache", "dkv"], "use cache none, prefix or dual", None, []),
     (["generate", "x", "--model", "no-such-model"], "unknown model 'no-such-model': give a local checkpoint directory",

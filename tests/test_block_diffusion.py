@@ -154,22 +154,29 @@ def test_block_layout_errors(model):
         run(llada, PROMPTS, "threshold", "block")
 
 
-def test_generate_and_serve_default_to_the_models_block():
-    """No --block-length: a block-causal model decodes in its own attention blocks, through the CLI and the
-    server alike (a served answer equals generate's)."""
+def test_generate_and_serve_default_to_the_models_block_and_the_block_cache(capsys):
+    """No --block-length: a block-causal model decodes in its own attention blocks, and with no --cache through
+    its exact block cache (the tokens of recomputing everything, fewer rows), through the Python API, the CLI and
+    the server alike (a served answer equals generate's)."""
     pytest.importorskip("fastapi")
-    from dllm.cli import main
+    from dllm.cli import _serve_setup, build_parser, main
     from dllm.serve import Engine, LocalServer, post
 
-    assert main(["generate", "--model", "random:sdar-tiny", "--cache", "block", "--no-chat", "abc"]) == 0
     model, tok = dllm.load("random:sdar-tiny")
-    want = dllm.generate(model, tok, "abc", cache="block", chat=False)
-    defaults = {"sampler": "low_confidence", "cache": "block", "sampler_args": {}, "cache_args": {},
-                "gen_length": None, "block_length": None, "steps": None, "seed": 0}
+    want = dllm.generate(model, tok, "abc", chat=False)
+    recomputed = dllm.generate(model, tok, "abc", cache="none", chat=False)
+    assert want.cache["name"] == "block" and want.token_ids == recomputed.token_ids
+    assert want.stats.rows_per_layer[0] < recomputed.stats.rows_per_layer[0]
+    assert main(["generate", "--model", "random:sdar-tiny", "--no-chat", "abc", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["cache"]["name"] == "block" and printed["outputs"][0]["token_ids"] == want.token_ids[0]
+    _, _, defaults = _serve_setup(build_parser().parse_args(["serve", "--model", "random:sdar-tiny"]))
+    assert defaults["cache"] == "block"
     with LocalServer(Engine(model, tok, "random:sdar-tiny", defaults)) as local:
         status, answer = post(local.url + "/v1/completions", {"prompt": "abc"})
     assert status == 200 and answer["choices"][0]["text"] == want.texts[0]
     assert answer["usage"]["completion_tokens"] == len(want.token_ids[0])
+    assert dllm.generate(*dllm.load("random:llada-tiny"), "abc", chat=False).cache["name"] == "none"
 
 
 class _Recorded(samplers.SAMPLERS.get("joint_threshold")):
