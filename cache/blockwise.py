@@ -71,6 +71,7 @@ class BlockCache(Cache):
     scores the block's first token). Equal to recomputing everything every step."""
 
     compiles: ClassVar[bool] = True
+    verifies_drafts: ClassVar[bool] = True  # past step 0 its only state is the store (`final` is set at step 0)
     block_fresh: ClassVar[bool] = True  # a fresh store at a block start recomputes what it needs
     block_causal_only: ClassVar[bool] = True
 

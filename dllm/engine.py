@@ -239,7 +239,7 @@ def check_policies(model: DiffusionLM, sampler: Sampler, cache: Cache, compile: 
                         f"({known}); sampler {sampler.name!r} chooses them from the logits")
     if sampler.drafts and not cache.verifies_drafts:
         raise DllmError(f"sampler {sampler.name!r} verifies drafts, which cache {cache.name!r} cannot do "
-                        f"without changing its state; use cache none, prefix or dual")
+                        f"without changing its state; use cache none, prefix, dual or (block-causal models) block")
     if cache.block_causal_only and not cfg.block_size:
         raise DllmError(f"cache {cache.name!r} is exact only under block-causal attention ({cfg.arch} attends to the "
                         f"whole canvas); use prefix or dual")
