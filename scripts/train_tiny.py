@@ -209,12 +209,12 @@ def chunked_block_diffusion_loss(model, prompts, lengths, answers, generator, ch
 def evaluate(model, tok, examples, answer_length: int, block_length: int, sampler: str = "low_confidence"
              ) -> dict[str, float]:
     """Exact match per family with vanilla decoding (low_confidence, one token per step, T = 0), or `sampler`.
-    A block-causal model (SDAR) decodes in its attention blocks, its answers starting at each row's prompt end
-    (not at one canvas column), so they are read through `generate`."""
+    A block-causal model (SDAR) decodes in its attention blocks with its exact block cache, its answers starting
+    at each row's prompt end (not at one canvas column), so they are read through `generate`."""
     model.eval()
     ids = [prompt_ids(tok, ex.prompt) for ex in examples]
     if model.config.block_size:
-        texts = generate(model, tok, ids, sampler=sampler, cache="none", gen_length=answer_length,
+        texts = generate(model, tok, ids, sampler=sampler, gen_length=answer_length,
                          block_length=model.config.block_size).texts
     else:
         canvas, _, _ = decode(model, ids, samplers_mod.SAMPLERS.create(sampler), caches.CACHES.create("none"),
