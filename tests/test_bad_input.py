@@ -72,7 +72,7 @@ CLI_CASES = [
     (["generate", "x", "--cache", "dual", "--cache-arg", "refresh_every=1.5"], "refresh_every must be int", None, []),
     (["generate", "x", "--cache-arg", "refresh_every=2"], "--cache-arg refresh_every=2 needs --cache NAME", None, []),
     (["generate", "x", "--sampler-arg", "temperature"], "--sampler-arg expects KEY=VALUE", None, []),
-    (["generate", "x", "--sampler", "speculative", "--cache", "dkv"], "use cache none, prefix or dual", None, []),
+    (["generate", "x", "--sampler", "speculative", "--cache", "dkv"], r"use cache none, prefix, dual or \(block-causal models\) block", None, []),
     (["generate", "x", "--model", "no-such-model"], "unknown model 'no-such-model': give a local checkpoint directory",
      None, []),
     (["generate", "x", "--model", "{tmp}"], "has no config.json; point at a Hugging Face model directory", None, []),
