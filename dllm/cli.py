@@ -49,8 +49,8 @@ def _add_decoding_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _policies(args) -> tuple[Any, Any]:
-    """The sampler and cache of the flags, checked before the model loads; no --cache gives None, which
-    `_model_cache` turns into the model's default."""
+    """The sampler and cache of the flags, checked before the model loads; no --cache gives None, the model's
+    default (`engine.default_cache`), which `generate` and `evaluate` take themselves."""
     sampler_args = _key_values(args.sampler_arg, "--sampler-arg")
     if args.temperature is not None:
         sampler_args["temperature"] = args.temperature
@@ -60,11 +60,6 @@ def _policies(args) -> tuple[Any, Any]:
         raise DllmError(f"--cache-arg {args.cache_arg[0]} needs --cache NAME (the default caches take no parameters)")
     cache = None if args.cache is None else caches.CACHES.create(args.cache, **cache_args)
     return sampler, cache
-
-
-def _model_cache(cache, model):
-    """The cache of the flags, or the model's default (`engine.default_cache`)."""
-    return caches.CACHES.create(default_cache(model)) if cache is None else cache
 
 
 def _stdin_lines():
@@ -119,7 +114,6 @@ def _generate(args) -> int:
         _check_writable_file(args.trace, "--trace")
     sampler, cache = _policies(args)
     model, tok = dllm.load(args.model, device=args.device, dtype=args.dtype)
-    cache = _model_cache(cache, model)
     lengths = decoding_lengths(model, args.gen_length, args.block_length, args.steps)
     with _progress(args, len(prompts) * lengths["gen_length"], "generate") as bar:
         out = dllm.generate(model, tok, prompts, sampler=sampler, cache=cache, **lengths, seed=args.seed,
@@ -146,7 +140,6 @@ def _chat(args) -> int:
 
     sampler, cache = _policies(args)
     model, tok = dllm.load(args.model, device=args.device, dtype=args.dtype)
-    cache = _model_cache(cache, model)
     if getattr(tok, "chat_template", None) is None:
         raise DllmError(f"{args.model} has no chat template; use `dllm generate --no-chat`")
     lengths = decoding_lengths(model, args.gen_length, args.block_length, args.steps)
@@ -208,14 +201,13 @@ def _run_eval(args) -> int:
         sampler, cache = _policies(args)
         device = f"cuda:{state.local_process_index}" if args.device == "cuda" else args.device  # one GPU each
         model, tok = dllm.load(args.model, device=device, dtype=args.dtype)
-        cache = _model_cache(cache, model)
         decode_args = dict(**decoding_lengths(model, args.gen_length, args.block_length, args.steps),
                            seed=args.seed, chat=args.chat, model_name=args.model, compile=args.compile,
                            **data_args)
         if args.sweep:
             if not args.output:
                 raise DllmError("--sweep needs --output DIR (one folder per point, sweep.json, pareto.png)")
-            result = run_sweep(model, tok, args.task, args.sweep, args.output, args.sampler, cache.name,
+            result = run_sweep(model, tok, args.task, args.sweep, args.output, args.sampler, args.cache,
                                sampler_args, cache_args, **decode_args)
             if state.is_main_process:
                 if result.get("plot") is None:
@@ -249,7 +241,7 @@ def _bench(args) -> int:
             raise DllmError(f"{flag} must be at least 1, got {value}")
     sampler, cache = _policies(args)
     model, _ = dllm.load(args.model, device=args.device, dtype=args.dtype)
-    cache = _model_cache(cache, model)
+    cache = caches.CACHES.create(default_cache(model)) if cache is None else cache
     lengths = decoding_lengths(model, args.gen_length, args.block_length, args.steps)
     total = args.batch_size * (1 + args.repeats) * lengths["gen_length"]  # warm-up + runs
     with _progress(args, total, "bench") as bar:

@@ -55,12 +55,14 @@ class DllmLM(LM):
         import dllm
         from accelerate import PartialState
 
-        from dllm.engine import check_int, decoding_lengths, default_cache, split_params
+        from dllm.engine import check_int, decoding_lengths, split_params
 
         if not str(batch_size).isdigit() or int(batch_size) < 1:
             raise DllmError(f"batch_size must be a positive integer, got {batch_size!r}")
-        # bad parameters fail before the weights load (the default caches, none and block, take none)
-        split_params(sampler, "none" if cache is None else cache, params)
+        # checked before the weights load; no cache named: `generate` takes the model's default (none or block,
+        # which take no parameters)
+        self.sampler, named = split_params(sampler, "none" if cache is None else cache, params)
+        self.cache = None if cache is None else named
         device = _device(device)
         state = PartialState(cpu=device == "cpu")
         self._rank, self._world_size = state.process_index, state.num_processes
@@ -68,7 +70,6 @@ class DllmLM(LM):
             device = f"cuda:{state.local_process_index}"
         self.model, self.tokenizer = dllm.load(model, device=device, dtype=dtype)
         self._device = self.model.device
-        self.sampler, self.cache = split_params(sampler, default_cache(self.model) if cache is None else cache, params)
         if self._world_size > 1:
             from accelerate import Accelerator
 

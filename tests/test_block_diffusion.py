@@ -170,6 +170,9 @@ def test_generate_and_serve_default_to_the_models_block_and_the_block_cache(caps
     assert main(["generate", "--model", "random:sdar-tiny", "--no-chat", "abc", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["cache"]["name"] == "block" and printed["outputs"][0]["token_ids"] == want.token_ids[0]
+    for verb in (["eval", "--limit", "2"], ["bench", "--gen-length", "8", "--repeats", "1"]):
+        assert main([*verb, "--model", "random:sdar-tiny", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["config"]["cache"]["name"] == "block", verb
     _, _, defaults = _serve_setup(build_parser().parse_args(["serve", "--model", "random:sdar-tiny"]))
     assert defaults["cache"] == "block"
     with LocalServer(Engine(model, tok, "random:sdar-tiny", defaults)) as local:
