@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch import Tensor
@@ -107,23 +107,30 @@ class PassThrough:
 
 
 class KVStore(PassThrough):
-    """Post-RoPE K/V of the whole canvas for every layer in one buffer allocated per generation,
-    `[layers, 2, B, Hkv, L, D]` (`k[layer]`, `v[layer]` are views of it), written in place at the active rows.
+    """Post-RoPE K/V of the whole canvas for every layer in one zeroed buffer made per generation by `allocate`
+    (`torch.zeros` or a lender's), `[layers, 2, B, Hkv, L, D]` (`k[layer]`, `v[layer]` are views of it), written in
+    place at the active rows.
 
     A row that is not active keeps the value written the last time it was computed."""
 
     def __init__(self, n_layers: int, batch: int, kv_heads: int, length: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, allocate: Callable[..., Tensor] = torch.zeros):
         super().__init__(n_layers)
-        self._use(torch.zeros((n_layers, 2, batch, kv_heads, length, head_dim), dtype=dtype, device=device))
+        self.buffer = allocate((n_layers, 2, batch, kv_heads, length, head_dim), dtype=dtype, device=device)
 
-    def _use(self, buffer: Tensor) -> None:
-        self.buffer, self.k, self.v = buffer, buffer[:, 0], buffer[:, 1]
+    @property
+    def k(self) -> Tensor:  # a view made at each use, so a compiled forward sees the buffer itself as its input
+        return self.buffer[:, 0]
+
+    @property
+    def v(self) -> Tensor:
+        return self.buffer[:, 1]
 
     def update(self, layer: int, rows: Rows, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        write_rows(self.k[layer], 2, rows, k)
-        write_rows(self.v[layer], 2, rows, v)
-        return self.k[layer], self.v[layer]
+        keys, values = self.buffer[layer, 0], self.buffer[layer, 1]
+        write_rows(keys, 2, rows, k)
+        write_rows(values, 2, rows, v)
+        return keys, values
 
     @property
     def nbytes(self) -> int:
@@ -132,7 +139,7 @@ class KVStore(PassThrough):
     def fork(self, copies: int) -> "KVStore":
         """The store repeated per draft (FreeDave's batch expansion): drafts write their own rows only."""
         view = copy.copy(self)
-        view._use(self.buffer.repeat_interleave(copies, 2))
+        view.buffer = self.buffer.repeat_interleave(copies, 2)
         return view
 
     def adopt(self, fork: "KVStore", choice: Tensor, rows: slice) -> None:
@@ -172,11 +179,12 @@ class Cache(Params):
     block_fresh: ClassVar[bool] = False  # recomputes every row at each block start: nothing in the store outlives
     # a block, so a batch can be laid out anew between blocks (rows joining and leaving, `dllm serve`)
 
-    def new_kv(self, model, batch: int, length: int) -> PassThrough:
+    def new_kv(self, model, batch: int, length: int, allocate: Callable[..., Tensor] = torch.zeros) -> PassThrough:
+        """A fresh store for `batch` canvases of `length`, its memory from `allocate` (see `KVStore`)."""
         cfg = model.config
         if not self.stores_kv:
             return PassThrough(cfg.n_layers)
-        return KVStore(cfg.n_layers, batch, cfg.n_kv_heads, length, cfg.head_dim, model.dtype, model.device)
+        return KVStore(cfg.n_layers, batch, cfg.n_kv_heads, length, cfg.head_dim, model.dtype, model.device, allocate)
 
     def plan(self, kv: PassThrough, plan: PlanContext) -> Rows:
         """Rows to compute at the forward described by `plan`: a slice, or a `[B, A]` index with its valid

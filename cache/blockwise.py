@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
+
 from dllm.models import Rows
 from dllm.params import param
 
@@ -75,8 +77,8 @@ class BlockCache(Cache):
     block_fresh: ClassVar[bool] = True  # a fresh store at a block start recomputes what it needs
     block_causal_only: ClassVar[bool] = True
 
-    def new_kv(self, model, batch: int, length: int) -> KVStore:
-        kv = super().new_kv(model, batch, length)
+    def new_kv(self, model, batch: int, length: int, allocate=torch.zeros) -> KVStore:
+        kv = super().new_kv(model, batch, length, allocate)
         kv.final = 0  # rows before this hold their blocks' final keys and values
         return kv
 

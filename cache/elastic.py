@@ -61,8 +61,8 @@ class ElasticCache(Cache):
     force_full_from_layer: int | None = param(None, "also recompute every row from this layer on at every step "
                                               "(0: exactly no cache)", ge=0)
 
-    def new_kv(self, model, batch: int, length: int) -> "ElasticStore":
-        return ElasticStore(model, batch, length, self)
+    def new_kv(self, model, batch: int, length: int, allocate=torch.zeros) -> "ElasticStore":
+        return ElasticStore(model, batch, length, self, allocate)
 
     def plan(self, kv, plan):
         """Every row at the first forward; then T, N and W (a full forward when forced from layer 0)."""
@@ -78,9 +78,9 @@ class ElasticCache(Cache):
 class ElasticStore(KVStore):
     """Per layer: post-RoPE K, V and Q and the layer input of every canvas row, and the tokens it tracks."""
 
-    def __init__(self, model, batch: int, length: int, policy: ElasticCache):
+    def __init__(self, model, batch: int, length: int, policy: ElasticCache, allocate=torch.zeros):
         cfg, dtype, device = model.config, model.dtype, model.device
-        super().__init__(cfg.n_layers, batch, cfg.n_kv_heads, length, cfg.head_dim, dtype, device)
+        super().__init__(cfg.n_layers, batch, cfg.n_kv_heads, length, cfg.head_dim, dtype, device, allocate)
         self.policy = policy
         self.q = [torch.zeros(batch, cfg.n_heads, length, cfg.head_dim, dtype=dtype, device=device)
                   for _ in range(cfg.n_layers)]

@@ -159,14 +159,15 @@ class Runner:
     verification of drafts on a fork of the store (self-speculative decoding), adopted once one is chosen.
 
     `compiled`: forwards go through `compiled_run(model)`, their rows as position tensors so that a block step
-    keeps one shape from block to block (caches whose rows are slices: none, prefix, dual)."""
+    keeps one shape from block to block (caches whose rows are slices: none, prefix, dual, block); on a GPU as
+    CUDA graphs (`graphed`), whose logits are copied out before the next replay overwrites them."""
 
     def __init__(self, model: DiffusionLM, canvas: Canvas, cache: Cache, kv, stats: Stats, profile: bool,
                  compiled: bool = False):
         self.model, self.canvas, self.cache, self.kv = model, canvas, cache, kv
         self.stats, self.profile = stats, profile
         self.run = compiled_run(model) if compiled else model.run
-        self.compiled = compiled
+        self.compiled, self.graphed = compiled, compiled and model.device.type == "cuda"
         self.verified: tuple | None = None  # (drafts, fork, logits, rows) of the last `verify`
 
     def forward(self, lo: int, hi: int, rows: Rows, tokens: Tensor | None = None, kv=None) -> Tensor:
@@ -191,7 +192,11 @@ class Runner:
         key_mask = visible_keys(cfg, query_positions, positions if self.cache.stores_kv else query_positions,
                                 key_mask)
         began = _clock(model.device) if self.profile else 0.0
+        if self.graphed:
+            torch.compiler.cudagraph_mark_step_begin()  # the last replay's outputs are no longer read
         logits = self.run(caches.gather_rows(tokens, rows), query_positions, key_mask, kv, rows, slots.clamp(min=0))
+        if self.graphed:
+            logits = logits.clone()
         if not rows.is_slice and rows.index.dim() == 2:  # rows served from the store predict nothing this step
             logits[slots < 0] = 0.0
         logits[..., cfg.mask_id] = float("-inf")  # a committed position must never stay masked
@@ -270,11 +275,43 @@ def check_compile(cache: Cache, compile: bool) -> None:
 
 def compiled_run(model: DiffusionLM):
     """`model.run` under `torch.compile(fullgraph=True)`, made once per model. Shapes that change from call to
-    call (prefix's rows shrinking block by block) are recompiled once as dynamic shapes."""
+    call (prefix's rows shrinking block by block) are recompiled once as dynamic shapes. On a GPU the compiled
+    forward is replayed as a CUDA graph (`mode="reduce-overhead"`: one launch per forward instead of hundreds),
+    one graph per shape, its store lent by `StoreLender`."""
     run = getattr(model, "_compiled_run", None)
     if run is None:
-        run = model._compiled_run = torch.compile(model.run, fullgraph=True)
+        mode = "reduce-overhead" if model.device.type == "cuda" else None
+        run = model._compiled_run = torch.compile(model.run, fullgraph=True, mode=mode)
     return run
+
+
+class StoreLender:
+    """K/V store buffers at addresses that outlive a generation, lent one store at a time. A CUDA graph reads and
+    writes the store where it was recorded: a fresh buffer per generation would mean recording every graph again
+    (and, past torch's re-record limit, no graphs at all). Keeps at most `keep` returned buffers."""
+
+    def __init__(self, keep: int = 4):
+        self.free: list[Tensor] = []
+        self.keep = keep
+
+    def take(self, shape, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A zeroed buffer, one returned before where its shape and dtype match."""
+        for i, buffer in enumerate(self.free):
+            if buffer.shape == shape and buffer.dtype == dtype:
+                return self.free.pop(i).zero_()
+        buffer = torch.zeros(shape, dtype=dtype, device=device)
+        torch._dynamo.mark_static_address(buffer, guard=False)  # a graph input that keeps its address
+        return buffer
+
+    def give_back(self, buffer: Tensor) -> None:
+        self.free = [buffer, *self.free][:self.keep]
+
+
+def store_lender(model: DiffusionLM) -> StoreLender:
+    lender = getattr(model, "_store_lender", None)
+    if lender is None:
+        lender = model._store_lender = StoreLender()
+    return lender
 
 
 @dataclass(eq=False)  # a row is itself: compared and hashed by identity
@@ -394,8 +431,9 @@ class Batch:
         self.canvas = Canvas.lay_out(model, [row.tokens for row in rows], before, [len(row.prompt) for row in rows])
         self.start, self._saved = max(before), False
         self._count_store()
-        self.runner = Runner(model, self.canvas, self.cache, self.cache.new_kv(model, *self.canvas.tokens.shape),
-                             self.stats, self.profile, self.compile)
+        lent = self.compile and model.device.type == "cuda"  # CUDA graphs: the store at a lasting address
+        kv = self.cache.new_kv(model, *self.canvas.tokens.shape, store_lender(model).take if lent else torch.zeros)
+        self.runner = Runner(model, self.canvas, self.cache, kv, self.stats, self.profile, self.compile)
         self.stats.batch = max(self.stats.batch, len(rows))
         self.state = SimpleNamespace()  # the sampler's per-run state
         self.generators = [row.generator for row in rows]
@@ -408,6 +446,8 @@ class Batch:
             kv = self.runner.kv
             self.stats.rows_per_layer = [a + b for a, b in zip(kv.rows_per_layer, self.stats.rows_per_layer)]
             self.stats.cache_bytes = max(self.stats.cache_bytes, kv.nbytes)
+            if self.runner.graphed and isinstance(kv, caches.KVStore):
+                store_lender(self.model).give_back(kv.buffer)
             self.runner = None
 
     def finish(self) -> Stats:

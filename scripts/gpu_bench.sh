@@ -1,27 +1,28 @@
 #!/usr/bin/env bash
 # The GPU table of BENCHMARKS.md in one command: `dllm bench` on random:llada-8b in bf16, caches none and dual,
-# batch 1 and 8, eager and --compile; ms per full and per cached (32-row) forward against the weight-read floor
-# (the bf16 weights read once per forward at the HBM bandwidth of the card). COMPILE=0 skips the compiled runs.
+# batch 1 and 8, eager and --compile (MODEL= empty skips them); ms per full and per cached (32-row) forward against
+# two floors: the bf16 weights read once per forward at the HBM bandwidth of the card, and a dense model's matmuls
+# (2 FLOPs per parameter per row) at the card's dense bf16 peak. MODES=eager skips the compiled runs,
+# MODES=compile runs only them (the table reads every JSON in OUT, so two calls can fill one table).
 # Then the block-diffusion models with their exact block cache, batch 1 and 8, eager and compiled: random:sdar-8b
 # (block 4; SDAR_MODEL= empty skips it) and the MoE random:llada2-mini (block 32; LLADA2_MODEL= empty skips it),
 # whose floor counts only the experts its forwards read (`dllm bench` measures the fraction).
 #
 #   scripts/gpu_bench.sh                         # writes runs/gpu-bench/*.json and prints the Markdown table
 #   MODEL=random:llada-tiny SDAR_MODEL=random:sdar-tiny LLADA2_MODEL=random:llada2-tiny DEVICE=cpu DTYPE=float32 \
-#       GEN=64 COMPILE=0 scripts/gpu_bench.sh
+#       GEN=64 MODES=eager scripts/gpu_bench.sh
 set -euo pipefail
-MODEL=${MODEL:-random:llada-8b}
+MODEL=${MODEL-random:llada-8b}
 DEVICE=${DEVICE:-cuda}
 DTYPE=${DTYPE:-bfloat16}
 GEN=${GEN:-256}
 OUT=${OUT:-runs/gpu-bench}
-COMPILE=${COMPILE:-1}
+MODES=${MODES:-eager compile}
 SDAR_MODEL=${SDAR_MODEL-random:sdar-8b}
 LLADA2_MODEL=${LLADA2_MODEL-random:llada2-mini}
 mkdir -p "$OUT"
-modes="eager"
-[ "$COMPILE" = 1 ] && modes="eager compile"
-for mode in $modes; do
+for mode in $MODES; do
+  [ -n "$MODEL" ] || break
   flag=""
   [ "$mode" = compile ] && flag="--compile"
   for cache in none dual; do
@@ -32,7 +33,7 @@ for mode in $modes; do
     done
   done
 done
-for mode in $modes; do  # the block-diffusion models (MoE layers compile in bf16)
+for mode in $MODES; do  # the block-diffusion models (MoE layers compile in bf16)
   flag=""
   [ "$mode" = compile ] && flag="--compile"
   for batch in 1 8; do
@@ -53,24 +54,30 @@ import sys
 from pathlib import Path
 
 BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12}  # bytes/s of HBM (SXM parts)
+PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 FLOP/s (SXM parts)
 rows = []
 for path in sorted(Path(sys.argv[1]).glob("*.json")):
     r = json.loads(path.read_text())
-    read = r["model"].get("parameters_read", r["model"]["parameters"])  # MoE: the experts actually read
-    weight_bytes = read * (2 if r["model"]["dtype"] in ("bfloat16", "float16") else 4)
+    model, config, ms = r["model"], r["config"], r["ms_per_forward"]
+    kind = "cached" if "cached" in ms else "full"
     card = next((name for name in BANDWIDTH if name in r["device"]), None)
-    floor = 1000 * weight_bytes / BANDWIDTH[card] if card else None
-    ms = r["ms_per_forward"]
-    cached = ms.get("cached")
-    mode = "compile" if r["config"].get("compile") else "eager"
-    full = f"{ms['full']:.2f}" if "full" in ms else "-"
-    rows.append(f"| {r['model']['arch']} | {r['config']['cache']['name']} | {mode} | {r['config']['batch_size']} | "
-                f"{full} | " + (f"{cached:.2f}" if cached else "-") + " | "
-                + (f"{floor:.2f} | {(cached or ms['full']) / floor:.2f}x" if floor else "- | -")
+    weights, flops = "-", "-"
+    if card:
+        read = model.get("parameters_read", model["parameters"])  # MoE: the experts actually read
+        weights = 1000 * read * (2 if model["dtype"] in ("bfloat16", "float16") else 4) / BANDWIDTH[card]
+        if "experts_read" not in model:  # a dense model's matmuls: 2 FLOPs per parameter per row
+            per_row = config["block_length"] if kind == "cached" else config["prompt_length"] + config["gen_length"]
+            flops = 1000 * 2 * model["parameters"] * per_row * config["batch_size"] / PEAK[card]
+    floor = max(x for x in (weights, flops) if x != "-") if card else None
+    cell = lambda x: f"{x:.2f}" if isinstance(x, float) else "-"
+    rows.append(f"| {model['arch']} | {config['cache']['name']} | {'compile' if config.get('compile') else 'eager'} | "
+                f"{config['batch_size']} | {cell(ms.get('full'))} | {cell(ms.get('cached'))} | {cell(weights)} | "
+                f"{cell(flops)} | " + (f"{ms[kind] / floor:.2f}x" if floor else "-")
                 + f" | {r['tokens_per_second']:.0f} | {r['peak_mb']:.0f} |")
-print(f"{r['model']['dtype']} on {r['device']}, gen {r['config']['gen_length']}, block 32 (sdar: 4, llada2: the preset's block)\n")
+print(f"{r['model']['dtype']} on {r['device']}, gen {r['config']['gen_length']}, prompt {r['config']['prompt_length']}, "
+      "block 32 (sdar: 4, llada2: the preset's block)\n")
 print("| model | cache | mode | batch | ms per full forward | ms per cached forward | weight-read floor ms "
-      "| cached (or full) / floor | tokens/s | peak MB |")
-print("|---|---|---|---|---|---|---|---|---|---|")
+      "| matmul floor ms | cached (or full) / the larger floor | tokens/s | peak MB |")
+print("|---|---|---|---|---|---|---|---|---|---|---|")
 print("\n".join(rows))
 EOF

@@ -60,3 +60,24 @@ def test_caches_that_pick_rows_token_by_token_refuse_compile(tiny_llada, cache):
     with pytest.raises(DllmError, match=f"cache '{cache}' chooses its rows token by token and runs eagerly; "
                                         "drop --compile"):
         dllm.generate(model, tok, "copy: ab", cache=cache, compile=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("cache", ["none", "dual"])
+def test_cuda_graphs_give_the_eager_tokens_on_one_lent_store(cache):
+    """On a GPU the compiled forward replays CUDA graphs (none skipped): the eager tokens, and a second generation
+    of the same shape decodes on the first one's store buffer, the address its graphs were recorded with."""
+    from torch._dynamo.utils import counters
+
+    from dllm.engine import store_lender
+
+    model, tok = dllm.load("tiny-llada", device="cuda")
+    prompts = ["reverse: hello123", "copy: ab"]
+    want = dllm.generate(model, tok, prompts, "threshold", cache, stop_early=False)
+    counters["inductor"]["cudagraph_skips"] = 0
+    first = dllm.generate(model, tok, prompts, "threshold", cache, stop_early=False, compile=True)
+    lent = [buffer.data_ptr() for buffer in store_lender(model).free]
+    second = dllm.generate(model, tok, prompts, "threshold", cache, stop_early=False, compile=True)
+    assert torch.equal(first.sequences, want.sequences) and torch.equal(second.sequences, want.sequences)
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    assert len(lent) == (cache != "none") and [buffer.data_ptr() for buffer in store_lender(model).free] == lent
