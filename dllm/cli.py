@@ -235,7 +235,12 @@ def _bench(args) -> int:
     import dllm
     from .bench import bench, format_result
 
-    for flag, value in (("--batch-size", args.batch_size), ("--prompt-length", args.prompt_length),
+    try:
+        batch_sizes = [int(b) for b in args.batch_size.split(",")]
+    except ValueError:
+        raise DllmError(f"--batch-size takes an integer or comma-separated integers, e.g. 1,8; got "
+                        f"{args.batch_size!r}") from None
+    for flag, value in (("--batch-size", min(batch_sizes)), ("--prompt-length", args.prompt_length),
                         ("--repeats", args.repeats)):
         if value < 1:
             raise DllmError(f"{flag} must be at least 1, got {value}")
@@ -243,12 +248,14 @@ def _bench(args) -> int:
     model, _ = dllm.load(args.model, device=args.device, dtype=args.dtype)
     cache = caches.CACHES.create(default_cache(model)) if cache is None else cache
     lengths = decoding_lengths(model, args.gen_length, args.block_length, args.steps)
-    total = args.batch_size * (1 + args.repeats) * lengths["gen_length"]  # warm-up + runs
+    total = sum(batch_sizes) * (1 + args.repeats) * lengths["gen_length"]  # warm-up + runs
     with _progress(args, total, "bench") as bar:
-        result = bench(model, sampler, cache, **lengths, batch_size=args.batch_size,
-                       prompt_length=args.prompt_length, repeats=args.repeats, seed=args.seed,
-                       callback=lambda info: bar.update(info["committed"]), compile=args.compile)
-    print(json.dumps(result) if args.json else format_result(result), end="\n" if args.json else "")
+        for batch_size in batch_sizes:  # one load (and one compilation) for every batch size
+            result = bench(model, sampler, cache, **lengths, batch_size=batch_size,
+                           prompt_length=args.prompt_length, repeats=args.repeats, seed=args.seed,
+                           callback=lambda info: bar.update(info["committed"]), compile=args.compile)
+            print(json.dumps(result) if args.json else format_result(result), end="\n" if args.json else "",
+                  flush=True)
     return 0
 
 
@@ -365,7 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(run=_eval)
     b = sub.add_parser("bench", help="time one sampler/cache: ms per forward by kind, tokens/s, rows computed")
     _add_decoding_flags(b)
-    b.add_argument("--batch-size", type=int, default=1)
+    b.add_argument("--batch-size", default="1", help="rows decoded together; several, comma-separated (1,8), "
+                   "are timed one after another on one loaded model (a JSON line each with --json)")
     b.add_argument("--prompt-length", type=int, default=64, help="random prompt tokens per row")
     b.add_argument("--repeats", type=int, default=3, help="timed runs (the median is reported) after a warm-up")
     b.add_argument("--json", action="store_true")

@@ -3,50 +3,41 @@
 # batch 1 and 8, eager and --compile (MODEL= empty skips them); ms per full and per cached (32-row) forward against
 # two floors: the bf16 weights read once per forward at the HBM bandwidth of the card, and a dense model's matmuls
 # (2 FLOPs per parameter per row) at the card's dense bf16 peak. MODES=eager skips the compiled runs,
-# MODES=compile runs only them (the table reads every JSON in OUT, so two calls can fill one table).
+# MODES=compile runs only them (the table reads every JSON Lines file in OUT, so two calls can fill one table).
 # Then the block-diffusion models with their exact block cache, batch 1 and 8, eager and compiled: random:sdar-8b
 # (block 4; SDAR_MODEL= empty skips it) and the MoE random:llada2-mini (block 32; LLADA2_MODEL= empty skips it),
 # whose floor counts only the experts its forwards read (`dllm bench` measures the fraction).
 #
-#   scripts/gpu_bench.sh                         # writes runs/gpu-bench/*.json and prints the Markdown table
+#   scripts/gpu_bench.sh                         # writes runs/gpu-bench/*.jsonl and prints the Markdown table
 #   MODEL=random:llada-tiny SDAR_MODEL=random:sdar-tiny LLADA2_MODEL=random:llada2-tiny DEVICE=cpu DTYPE=float32 \
 #       GEN=64 MODES=eager scripts/gpu_bench.sh
 set -euo pipefail
 MODEL=${MODEL-random:llada-8b}
 DEVICE=${DEVICE:-cuda}
 DTYPE=${DTYPE:-bfloat16}
-GEN=${GEN:-256}
+GEN=${GEN:-128}
 OUT=${OUT:-runs/gpu-bench}
 MODES=${MODES:-eager compile}
 SDAR_MODEL=${SDAR_MODEL-random:sdar-8b}
 LLADA2_MODEL=${LLADA2_MODEL-random:llada2-mini}
 mkdir -p "$OUT"
-for mode in $MODES; do
-  [ -n "$MODEL" ] || break
+for mode in $MODES; do  # one process per model, cache and mode: one load and one compilation for both batches
   flag=""
   [ "$mode" = compile ] && flag="--compile"
-  for cache in none dual; do
-    for batch in 1 8; do
+  if [ -n "$MODEL" ]; then
+    for cache in none dual; do
       dllm bench --model "$MODEL" --device "$DEVICE" --dtype "$DTYPE" --sampler low_confidence --cache "$cache" \
-        --gen-length "$GEN" --block-length 32 --batch-size "$batch" --repeats 2 $flag --json \
-        > "$OUT/$mode-$cache-b$batch.json"
+        --gen-length "$GEN" --block-length 32 --batch-size 1,8 --repeats 2 $flag --json > "$OUT/llada-$mode-$cache.jsonl"
     done
-  done
-done
-for mode in $MODES; do  # the block-diffusion models (MoE layers compile in bf16)
-  flag=""
-  [ "$mode" = compile ] && flag="--compile"
-  for batch in 1 8; do
-    if [ -n "$SDAR_MODEL" ]; then
-      dllm bench --model "$SDAR_MODEL" --device "$DEVICE" --dtype "$DTYPE" --sampler low_confidence --cache block \
-        --gen-length "$GEN" --block-length 4 --batch-size "$batch" --repeats 2 $flag --json \
-        > "$OUT/sdar-$mode-block-b$batch.json"
-    fi
-    if [ -n "$LLADA2_MODEL" ]; then
-      dllm bench --model "$LLADA2_MODEL" --device "$DEVICE" --dtype "$DTYPE" --sampler low_confidence --cache block \
-        --gen-length "$GEN" --batch-size "$batch" --repeats 2 $flag --json > "$OUT/llada2-$mode-block-b$batch.json"
-    fi
-  done
+  fi
+  if [ -n "$SDAR_MODEL" ]; then  # the block-diffusion models (MoE layers compile in bf16)
+    dllm bench --model "$SDAR_MODEL" --device "$DEVICE" --dtype "$DTYPE" --sampler low_confidence --cache block \
+      --gen-length "$GEN" --block-length 4 --batch-size 1,8 --repeats 2 $flag --json > "$OUT/sdar-$mode-block.jsonl"
+  fi
+  if [ -n "$LLADA2_MODEL" ]; then
+    dllm bench --model "$LLADA2_MODEL" --device "$DEVICE" --dtype "$DTYPE" --sampler low_confidence --cache block \
+      --gen-length "$GEN" --batch-size 1,8 --repeats 2 $flag --json > "$OUT/llada2-$mode-block.jsonl"
+  fi
 done
 python - "$OUT" <<'EOF'
 import json
@@ -56,8 +47,9 @@ from pathlib import Path
 BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12}  # bytes/s of HBM (SXM parts)
 PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 FLOP/s (SXM parts)
 rows = []
-for path in sorted(Path(sys.argv[1]).glob("*.json")):
-    r = json.loads(path.read_text())
+results = [json.loads(line) for path in sorted(Path(sys.argv[1]).glob("*.jsonl"))
+           for line in path.read_text().splitlines()]
+for r in results:
     model, config, ms = r["model"], r["config"], r["ms_per_forward"]
     kind = "cached" if "cached" in ms else "full"
     card = next((name for name in BANDWIDTH if name in r["device"]), None)

@@ -34,6 +34,16 @@ def test_cli_bench_json(capsys):
     assert set(r["ms_per_forward"]) == {"full", "cached"} and r["cache_mb"] > 0
 
 
+def test_cli_bench_times_each_batch_size_on_one_model(capsys):
+    """`--batch-size 1,3`: a JSON line per batch size, in order, each decoding its own batch."""
+    main(["bench", "--model", "random:llada-tiny", "--cache", "dual", "--gen-length", "16", "--block-length", "8",
+          "--prompt-length", "8", "--repeats", "1", "--batch-size", "1,3", "--json"])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["config"]["batch_size"] for r in lines] == [1, 3]
+    per_row = 2 * (24 + 7 * 8)  # dual, 2 blocks: a full forward (24 rows), then 7 steps of the 8 block rows
+    assert [r["rows_per_token"] * 16 * r["config"]["batch_size"] for r in lines] == pytest.approx([per_row, 3 * per_row])
+
+
 @pytest.mark.parametrize("tty,json_flag,bar", [(True, False, True), (True, True, False), (False, False, False)])
 def test_progress_bar_only_on_a_terminal_without_json(tty, json_flag, bar, capsys, monkeypatch):
     """The bar's total is every token committed (warm-up run + timed runs); off with --json or when piped."""
