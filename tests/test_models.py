@@ -197,3 +197,20 @@ def test_same_layout_checkpoints_stop_where_their_answers_end(tmp_path):
     pad = tok2.convert_tokens_to_ids("<|dlm_pad|>")
     assert pad not in plain.config.stop_ids
     assert set(padded.config.stop_ids) == {*plain.config.stop_ids, pad}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rotary", [16, 8])
+def test_rope_equals_rotate_half_bit_for_bit(dtype, rotary):
+    """`rope`'s roll with a signed sin table gives exactly rotate-half RoPE (x cos + rotate_half(x) sin, fp32),
+    full and partial (LLaDA2's first R dims)."""
+    from dllm.models.transformer import rope
+
+    x = torch.randn(2, 3, 5, 16, generator=torch.Generator().manual_seed(0)).to(dtype)
+    angles = torch.randn(2, 5, rotary // 2, generator=torch.Generator().manual_seed(1))
+    cos, sin = torch.cat((angles.cos(),) * 2, -1)[:, None], torch.cat((angles.sin(),) * 2, -1)[:, None]
+    xf = x[..., :rotary].float()
+    half = torch.cat((-xf[..., rotary // 2:], xf[..., :rotary // 2]), -1)
+    want = torch.cat(((xf * cos + half * sin).to(dtype), x[..., rotary:]), -1)
+    signed = torch.cat((-angles.sin(), angles.sin()), -1)[:, None]
+    assert torch.equal(rope(x, cos, signed), want)
