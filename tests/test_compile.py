@@ -62,6 +62,24 @@ def test_caches_that_pick_rows_token_by_token_refuse_compile(tiny_llada, cache):
         dllm.generate(model, tok, "copy: ab", cache=cache, compile=True)
 
 
+def test_the_store_lender_hands_a_returned_buffer_back_zeroed_and_keeps_a_few():
+    """A buffer given back is lent again (the address a CUDA graph was recorded with), zeroed; another shape or
+    dtype gets a new one; only `keep` returned buffers are held."""
+    from dllm.engine import StoreLender
+
+    lender = StoreLender(keep=2)
+    first = lender.take((2, 3), torch.float32, torch.device("cpu"))
+    first.fill_(7.0)
+    lender.give_back(first)
+    again = lender.take((2, 3), torch.float32, torch.device("cpu"))
+    assert again is first and not again.any()
+    assert lender.take((2, 3), torch.bfloat16, torch.device("cpu")) is not first
+    others = [lender.take((n,), torch.float32, torch.device("cpu")) for n in (1, 2, 3)]
+    for buffer in [again, *others]:
+        lender.give_back(buffer)
+    assert [id(b) for b in lender.free] == [id(others[2]), id(others[1])]  # the latest two
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("cache", ["none", "dual"])
 def test_cuda_graphs_give_the_eager_tokens_on_one_lent_store(cache):
