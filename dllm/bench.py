@@ -71,6 +71,7 @@ def bench(model, sampler, cache, gen_length: int, block_length: int, steps: int 
         "nfe": stats.nfe,
         "tpf": stats.tpf,
         "tokens_per_second": stats.tokens_per_second,
+        "ms_per_step": 1000 * stats.seconds / stats.nfe,  # a forward and the loop's own work (sampler, bookkeeping)
         "ms_per_forward": {kind: 1000 * statistics.median(times) for kind, times in stats.forward_seconds.items()},
         "forwards_by_kind": {kind: len(times) for kind, times in stats.forward_seconds.items()},
         "rows_per_token": rows / stats.gen_tokens,  # canvas rows computed per layer per generated token
@@ -92,6 +93,6 @@ def format_result(r: dict) -> str:
             f"batch {c['batch_size']} prompt {c['prompt_length']} | {r['device']}\n"
             f"  {r['seconds']:.3f} s, {r['nfe']} forwards, {r['tpf']:.2f} tokens/forward, "
             f"{r['tokens_per_second']:.1f} tokens/s\n"
-            f"  per forward: {per_kind}\n"
+            f"  per step {r['ms_per_step']:.2f} ms; per forward: {per_kind}\n"
             f"  rows per layer per token {r['rows_per_token']:.1f} ({r['rows_vs_no_cache']:.3f} of no cache), "
             f"cache {r['cache_mb']:.1f} MB, peak {r['peak_mb']:.0f} MB\n")
