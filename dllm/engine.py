@@ -62,6 +62,8 @@ class Canvas:
     prompt_length: int  # where the earliest row's generation starts (every row's, unless rows joined between blocks)
     gen_start: Tensor  # [B] where each row's generation starts ...
     gen_end: Tensor  # [B] ... and ends (right padding after it, when rows of a batch differ)
+    answer: Tensor  # [B, L] bool: the columns between them
+    stop_ids: Tensor  # the model's stop ids, on the canvas's device
 
     @staticmethod
     def check(model: DiffusionLM, prompts: list[list[int]], gen_length: int) -> None:
@@ -108,7 +110,10 @@ class Canvas:
         key_mask = None if real.all() else real[:, None, None, :].to(device)
         gen_start = torch.tensor([left - n + p for n, p in zip(before, prompt_lengths)], device=device)
         gen_end = gen_start + torch.tensor([len(t) - p for t, p in zip(rows, prompt_lengths)], device=device)
-        return cls(tokens.to(device), positions.to(device), key_mask, int(gen_start.min()), gen_start, gen_end)
+        column = torch.arange(length, device=device)
+        answer = (column >= gen_start[:, None]) & (column < gen_end[:, None])
+        return cls(tokens.to(device), positions.to(device), key_mask, int(gen_start.min()), gen_start, gen_end, answer,
+                   torch.tensor(cfg.stop_ids, device=device))
 
 
 def check_int(name: str, value: Any, minimum: int | None = None) -> int:
@@ -143,13 +148,12 @@ def check_lengths(gen_length: int, block_length: int, steps: int | None) -> int:
 def _finish_rows(canvas: Canvas, finished: Tensor, cfg) -> Tensor:
     """Mark rows whose answer is complete (a stop token with nothing masked before it) and write the filler
     into their remaining masks. Returns the updated `finished`."""
-    tokens = canvas.tokens
-    column = torch.arange(tokens.shape[1], device=tokens.device)[None]
-    answer = (column >= canvas.gen_start[:, None]) & (column < canvas.gen_end[:, None])
-    stops = torch.isin(tokens, torch.tensor(cfg.stop_ids, device=tokens.device)) & answer
-    first = torch.where(stops.any(1), stops.int().argmax(1), tokens.shape[1])[:, None]
-    masked = (tokens == cfg.mask_id) & answer
-    done = stops.any(1) & ~(masked & (column < first)).any(1)
+    tokens, length = canvas.tokens, canvas.tokens.shape[1]
+    column = torch.arange(length, device=tokens.device)
+    stops = torch.isin(tokens, canvas.stop_ids) & canvas.answer
+    first = torch.where(stops, column, length).amin(1, keepdim=True)  # the first stop, or the canvas length
+    masked = (tokens == cfg.mask_id) & canvas.answer
+    done = (first[:, 0] < length) & ~(masked & (column < first)).any(1)
     tokens.masked_fill_(done[:, None] & (column > first) & masked, cfg.filler_id)
     return finished | done
 
@@ -496,7 +500,7 @@ class Batch:
             counted = list(kv.rows_per_layer) if self.trace is not None else None
             lo, hi, rows = plan(step, start, end)
             logits = reused[1] if reused is not None and reused[0] == (lo, hi) else runner.forward(lo, hi, rows)
-            masked = (canvas.tokens[:, lo:hi] == cfg.mask_id) & ~self.finished[:, None]
+            masked = self.masked_at_plan[:, lo:hi] & ~self.finished[:, None]  # the forward left the tokens as planned
             positions = torch.arange(lo, hi, device=model.device)
 
             def verify(drafts: Tensor, step=step, start=start, end=end, lo=lo, hi=hi) -> Tensor:
