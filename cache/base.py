@@ -127,10 +127,9 @@ class KVStore(PassThrough):
         return self.buffer[:, 1]
 
     def update(self, layer: int, rows: Rows, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        keys, values = self.buffer[layer, 0], self.buffer[layer, 1]
-        write_rows(keys, 2, rows, k)
-        write_rows(values, 2, rows, v)
-        return keys, values
+        write_rows(self.k[layer], 2, rows, k)
+        write_rows(self.v[layer], 2, rows, v)
+        return self.k[layer], self.v[layer]
 
     @property
     def nbytes(self) -> int:

@@ -166,13 +166,20 @@ class Runner:
     keeps one shape from block to block (caches whose rows are slices: none, prefix, dual, block); on a GPU as
     CUDA graphs (`graphed`), whose logits are copied out before the next replay overwrites them."""
 
-    def __init__(self, model: DiffusionLM, canvas: Canvas, cache: Cache, kv, stats: Stats, profile: bool,
+    def __init__(self, model: DiffusionLM, canvas: Canvas, cache: Cache, stats: Stats, profile: bool,
                  compiled: bool = False):
-        self.model, self.canvas, self.cache, self.kv = model, canvas, cache, kv
+        self.model, self.canvas, self.cache = model, canvas, cache
         self.stats, self.profile = stats, profile
         self.run = compiled_run(model) if compiled else model.run
         self.compiled, self.graphed = compiled, compiled and model.device.type == "cuda"
+        allocate = store_lender(model).take if self.graphed else torch.zeros  # graphs: a store at a lasting address
+        self.kv = cache.new_kv(model, *canvas.tokens.shape, allocate)
         self.verified: tuple | None = None  # (drafts, fork, logits, rows) of the last `verify`
+
+    def retire(self) -> None:
+        """Give a lent store back (the runner is not used after this)."""
+        if self.graphed and isinstance(self.kv, caches.KVStore):
+            store_lender(self.model).give_back(self.kv.buffer)
 
     def forward(self, lo: int, hi: int, rows: Rows, tokens: Tensor | None = None, kv=None) -> Tensor:
         """Logits of canvas positions `[lo, hi)` for every row of `tokens` (default: the canvas; or copies of
@@ -435,9 +442,7 @@ class Batch:
         self.canvas = Canvas.lay_out(model, [row.tokens for row in rows], before, [len(row.prompt) for row in rows])
         self.start, self._saved = max(before), False
         self._count_store()
-        lent = self.compile and model.device.type == "cuda"  # CUDA graphs: the store at a lasting address
-        kv = self.cache.new_kv(model, *self.canvas.tokens.shape, store_lender(model).take if lent else torch.zeros)
-        self.runner = Runner(model, self.canvas, self.cache, kv, self.stats, self.profile, self.compile)
+        self.runner = Runner(model, self.canvas, self.cache, self.stats, self.profile, self.compile)
         self.stats.batch = max(self.stats.batch, len(rows))
         self.state = SimpleNamespace()  # the sampler's per-run state
         self.generators = [row.generator for row in rows]
@@ -450,8 +455,7 @@ class Batch:
             kv = self.runner.kv
             self.stats.rows_per_layer = [a + b for a, b in zip(kv.rows_per_layer, self.stats.rows_per_layer)]
             self.stats.cache_bytes = max(self.stats.cache_bytes, kv.nbytes)
-            if self.runner.graphed and isinstance(kv, caches.KVStore):
-                store_lender(self.model).give_back(kv.buffer)
+            self.runner.retire()
             self.runner = None
 
     def finish(self) -> Stats:
