@@ -16,7 +16,7 @@ from dllm.models import Rows
 from dllm.params import param
 
 from . import register
-from .base import Cache, KVStore, PlanContext
+from .base import Cache, KVStore, PlanContext, zeros
 
 
 @register("none")
@@ -77,7 +77,7 @@ class BlockCache(Cache):
     block_fresh: ClassVar[bool] = True  # a fresh store at a block start recomputes what it needs
     block_causal_only: ClassVar[bool] = True
 
-    def new_kv(self, model, batch: int, length: int, allocate=torch.zeros) -> KVStore:
+    def new_kv(self, model, batch: int, length: int, allocate=zeros) -> KVStore:
         kv = super().new_kv(model, batch, length, allocate)
         kv.final = 0  # rows before this hold their blocks' final keys and values
         return kv

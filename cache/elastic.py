@@ -23,7 +23,7 @@ from dllm.models.transformer import Rows, attention_probabilities
 from dllm.params import param
 
 from . import register
-from .base import Cache, KVStore, index_rows, predicting_rows, row_slots, write_rows
+from .base import Cache, KVStore, index_rows, predicting_rows, row_slots, write_rows, zeros
 
 WINDOW = {"llada": 16, "dream": 32}  # beta of the authors' eval scripts
 
@@ -61,7 +61,7 @@ class ElasticCache(Cache):
     force_full_from_layer: int | None = param(None, "also recompute every row from this layer on at every step "
                                               "(0: exactly no cache)", ge=0)
 
-    def new_kv(self, model, batch: int, length: int, allocate=torch.zeros) -> "ElasticStore":
+    def new_kv(self, model, batch: int, length: int, allocate=zeros) -> "ElasticStore":
         return ElasticStore(model, batch, length, self, allocate)
 
     def plan(self, kv, plan):
@@ -78,7 +78,7 @@ class ElasticCache(Cache):
 class ElasticStore(KVStore):
     """Per layer: post-RoPE K, V and Q and the layer input of every canvas row, and the tokens it tracks."""
 
-    def __init__(self, model, batch: int, length: int, policy: ElasticCache, allocate=torch.zeros):
+    def __init__(self, model, batch: int, length: int, policy: ElasticCache, allocate=zeros):
         cfg, dtype, device = model.config, model.dtype, model.device
         super().__init__(cfg.n_layers, batch, cfg.n_kv_heads, length, cfg.head_dim, dtype, device, allocate)
         self.policy = policy

@@ -172,14 +172,14 @@ class Runner:
         self.stats, self.profile = stats, profile
         self.run = compiled_run(model) if compiled else model.run
         self.compiled, self.graphed = compiled, compiled and model.device.type == "cuda"
-        allocate = store_lender(model).take if self.graphed else torch.zeros  # graphs: a store at a lasting address
+        allocate = store_lender(model).take if self.graphed else caches.zeros  # graphs: a store at a lasting address
         self.kv = cache.new_kv(model, *canvas.tokens.shape, allocate)
         self.verified: tuple | None = None  # (drafts, fork, logits, rows) of the last `verify`
 
     def retire(self) -> None:
         """Give a lent store back (the runner is not used after this)."""
         if self.graphed and isinstance(self.kv, caches.KVStore):
-            store_lender(self.model).give_back(self.kv.buffer)
+            store_lender(self.model).give_back(self.kv.tensors)
 
     def forward(self, lo: int, hi: int, rows: Rows, tokens: Tensor | None = None, kv=None) -> Tensor:
         """Logits of canvas positions `[lo, hi)` for every row of `tokens` (default: the canvas; or copies of
@@ -297,25 +297,27 @@ def compiled_run(model: DiffusionLM):
 
 
 class StoreLender:
-    """K/V store buffers at addresses that outlive a generation, lent one store at a time. A CUDA graph reads and
-    writes the store where it was recorded: a fresh buffer per generation would mean recording every graph again
-    (and, past torch's re-record limit, no graphs at all). Keeps at most `keep` returned buffers."""
+    """K/V store tensors at addresses that outlive a generation, lent one store at a time. A CUDA graph reads and
+    writes the store where it was recorded: fresh tensors per generation would mean recording every graph again
+    (and, past torch's re-record limit, no graphs at all). A store is lent whole, its tensors in one order (layer i
+    gets the tensor it had). Keeps at most `keep` returned stores."""
 
     def __init__(self, keep: int = 4):
-        self.free: list[Tensor] = []
+        self.free: list[list[Tensor]] = []
         self.keep = keep
 
-    def take(self, shape, dtype: torch.dtype, device: torch.device) -> Tensor:
-        """A zeroed buffer, one returned before where its shape and dtype match."""
-        for i, buffer in enumerate(self.free):
-            if buffer.shape == shape and buffer.dtype == dtype:
-                return self.free.pop(i).zero_()
-        buffer = torch.zeros(shape, dtype=dtype, device=device)
-        torch._dynamo.mark_static_address(buffer, guard=False)  # a graph input that keeps its address
-        return buffer
+    def take(self, count: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> list[Tensor]:
+        """`count` zeroed tensors (`cache.zeros`' signature), a store returned before where they match."""
+        for i, tensors in enumerate(self.free):
+            if len(tensors) == count and tensors[0].shape == shape and tensors[0].dtype == dtype:
+                return [t.zero_() for t in self.free.pop(i)]
+        tensors = caches.zeros(count, shape, dtype, device)
+        for t in tensors:
+            torch._dynamo.mark_static_address(t, guard=False)  # a graph input that keeps its address
+        return tensors
 
-    def give_back(self, buffer: Tensor) -> None:
-        self.free = [buffer, *self.free][:self.keep]
+    def give_back(self, tensors: list[Tensor]) -> None:
+        self.free = [tensors, *self.free][:self.keep]
 
 
 def store_lender(model: DiffusionLM) -> StoreLender:
