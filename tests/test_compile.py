@@ -13,6 +13,7 @@ from dllm.cache.base import gather_rows
 from dllm.engine import Canvas
 from dllm.errors import DllmError
 from dllm.models import Rows
+from dllm.samplers import SAMPLERS
 
 PROMPTS = [[5, 6, 7, 8], [9, 10]]
 
@@ -63,6 +64,17 @@ def test_caches_that_pick_rows_token_by_token_refuse_compile(tiny_llada, cache):
     with pytest.raises(DllmError, match=f"cache '{cache}' chooses its rows token by token and runs eagerly; "
                                         "drop --compile"):
         dllm.generate(model, tok, "copy: ab", cache=cache, compile=True)
+
+
+@pytest.mark.parametrize("sampler", [cls.name for cls in SAMPLERS])
+def test_every_sampler_decodes_the_eager_tokens_compiled(tiny_llada, sampler):
+    """--compile changes the forward only: every sampler (drafts verified on a forked store included) commits the
+    eager tokens in the eager number of forwards over the dual cache."""
+    model, tok = tiny_llada
+    prompts = ["reverse: hello123", "copy: ab"]
+    want = dllm.generate(model, tok, prompts, sampler, "dual", stop_early=False)
+    got = dllm.generate(model, tok, prompts, sampler, "dual", stop_early=False, compile=True)
+    assert torch.equal(got.sequences, want.sequences) and got.stats.nfe == want.stats.nfe
 
 
 def test_the_compiled_cached_forward_writes_the_store_in_place():
