@@ -69,6 +69,12 @@ def predicting_rows(positions: Tensor, shift: int) -> Tensor:
     return rows
 
 
+def zeros(count: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> list[Tensor]:
+    """`count` zeroed tensors of `shape`: a store's memory, made per generation (`StoreLender.take` keeps it at
+    lasting addresses instead)."""
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]
+
+
 class PassThrough:
     """No storage: the active rows are the only keys. Its no-op `expand`, `attention_rows` and
     `observe_attention` are the hooks a cache overrides (see `dllm.models.KVAccess`). `rows_per_layer` counts
@@ -98,18 +104,12 @@ class PassThrough:
     def nbytes(self) -> int:
         return 0
 
-    def fork(self, copies: int) -> "PassThrough":
-        """A view for `copies` draft canvases per row (batch `B * copies`)."""
+    def fork(self, copies: int, allocate: Callable[..., list[Tensor]] = zeros) -> "PassThrough":
+        """A view for `copies` draft canvases per row (batch `B * copies`), its memory from `allocate`."""
         return copy.copy(self)
 
     def adopt(self, fork: "PassThrough", choice: Tensor, rows: slice) -> None:
         """Take the state of draft `choice[b]` of each row, computed at canvas `rows`, from `fork`."""
-
-
-def zeros(count: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> list[Tensor]:
-    """`count` zeroed tensors of `shape`: a store's memory, made per generation (`StoreLender.take` keeps it at
-    lasting addresses instead)."""
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]
 
 
 class KVStore(PassThrough):
@@ -141,10 +141,15 @@ class KVStore(PassThrough):
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
-    def fork(self, copies: int) -> "KVStore":
-        """The store repeated per draft (FreeDave's batch expansion): drafts write their own rows only."""
+    def fork(self, copies: int, allocate: Callable[..., list[Tensor]] = zeros) -> "KVStore":
+        """The store repeated per draft (FreeDave's batch expansion; draft copies of a row side by side) in
+        tensors from `allocate`: drafts write their own rows only."""
         view = copy.copy(self)
-        view.k, view.v = ([t.repeat_interleave(copies, 0) for t in kind] for kind in (self.k, self.v))
+        batch, *shape = self.k[0].shape
+        tensors = allocate(len(self.tensors), (batch * copies, *shape), self.k[0].dtype, self.k[0].device)
+        for fork, mine in zip(tensors, self.tensors):
+            fork.unflatten(0, (batch, copies)).copy_(mine[:, None])
+        view.k, view.v = tensors[:len(self.k)], tensors[len(self.k):]
         return view
 
     def adopt(self, fork: "KVStore", choice: Tensor, rows: slice) -> None:

@@ -172,14 +172,19 @@ class Runner:
         self.stats, self.profile = stats, profile
         self.run = compiled_run(model) if compiled else model.run
         self.compiled, self.graphed = compiled, compiled and model.device.type == "cuda"
-        allocate = store_lender(model).take if self.graphed else caches.zeros  # graphs: a store at a lasting address
-        self.kv = cache.new_kv(model, *canvas.tokens.shape, allocate)
+        self.allocate = store_lender(model).take if self.graphed else caches.zeros  # graphs: lasting addresses
+        self.kv = cache.new_kv(model, *canvas.tokens.shape, self.allocate)
         self.verified: tuple | None = None  # (drafts, fork, logits, rows) of the last `verify`
 
     def retire(self) -> None:
-        """Give a lent store back (the runner is not used after this)."""
-        if self.graphed and isinstance(self.kv, caches.KVStore):
-            store_lender(self.model).give_back(self.kv.tensors)
+        """Give lent stores back (the runner is not used after this)."""
+        self._give_back(self.kv)
+        if self.verified is not None:
+            self._give_back(self.verified[1])
+
+    def _give_back(self, store: caches.PassThrough) -> None:
+        if self.graphed and isinstance(store, caches.KVStore):
+            store_lender(self.model).give_back(store.tensors)
 
     def forward(self, lo: int, hi: int, rows: Rows, tokens: Tensor | None = None, kv=None) -> Tensor:
         """Logits of canvas positions `[lo, hi)` for every row of `tokens` (default: the canvas; or copies of
@@ -229,7 +234,9 @@ class Runner:
         batch, copies = drafts.shape[:2]
         tokens = self.canvas.tokens.repeat_interleave(copies, 0)
         tokens[:, lo:hi] = drafts.flatten(0, 1)
-        fork = self.kv.fork(copies)
+        if self.verified is not None:  # drafts the sampler did not take
+            self._give_back(self.verified[1])
+        fork = self.kv.fork(copies, self.allocate)  # graphs: the last fork's addresses again
         logits = self.forward(lo, hi, rows, tokens, fork).unflatten(0, (batch, copies))
         self.verified = (drafts, fork, logits, rows)
         return logits
@@ -240,6 +247,7 @@ class Runner:
         drafts, fork, logits, rows = self.verified
         pick = torch.arange(len(choice), device=choice.device)
         self.kv.adopt(fork, choice, rows.index)
+        self._give_back(fork)
         self.verified = None
         return drafts[pick, choice], logits[pick, choice]
 

@@ -123,21 +123,23 @@ def test_the_store_lender_hands_a_returned_store_back_zeroed_and_keeps_a_few():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("cache", ["none", "dual"])
-def test_cuda_graphs_give_the_eager_tokens_on_one_lent_store(cache):
-    """On a GPU the compiled forward replays CUDA graphs (none skipped): the eager tokens, and a second generation
-    of the same shape decodes on the first one's store, the addresses its graphs were recorded with."""
+@pytest.mark.parametrize("sampler, cache", [("threshold", "none"), ("threshold", "dual"), ("speculative", "dual")])
+def test_cuda_graphs_give_the_eager_tokens_on_one_lent_store(sampler, cache):
+    """On a GPU the compiled forward replays CUDA graphs (none skipped, draft verification on a forked store
+    included): the eager tokens, and a second generation of the same shape decodes on the first one's stores, the
+    addresses its graphs were recorded with."""
     from torch._dynamo.utils import counters
 
     from dllm.engine import store_lender
 
     model, tok = dllm.load("tiny-llada", device="cuda")
     prompts = ["reverse: hello123", "copy: ab"]
-    want = dllm.generate(model, tok, prompts, "threshold", cache, stop_early=False)
+    want = dllm.generate(model, tok, prompts, sampler, cache, stop_early=False)
     counters["inductor"]["cudagraph_skips"] = 0
-    first = dllm.generate(model, tok, prompts, "threshold", cache, stop_early=False, compile=True)
+    first = dllm.generate(model, tok, prompts, sampler, cache, stop_early=False, compile=True)
     lent = [t.data_ptr() for store in store_lender(model).free for t in store]
-    second = dllm.generate(model, tok, prompts, "threshold", cache, stop_early=False, compile=True)
+    second = dllm.generate(model, tok, prompts, sampler, cache, stop_early=False, compile=True)
     assert torch.equal(first.sequences, want.sequences) and torch.equal(second.sequences, want.sequences)
+    assert first.stats.nfe == want.stats.nfe
     assert counters["inductor"]["cudagraph_skips"] == 0
     assert bool(lent) == (cache != "none") and [t.data_ptr() for store in store_lender(model).free for t in store] == lent
