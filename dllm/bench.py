@@ -1,7 +1,8 @@
 """`dllm bench`: the cost of one decoding configuration, measured (never estimated) on fixed random prompts.
 
 Runs with `stop_early=False`, so every run does the same work whatever the weights (random models never stop).
-Reports the median of `repeats` timed runs after a one-block warm-up run."""
+Reports the median of `repeats` timed runs after a warm-up run, and each forward's time from one more run that times
+them one by one."""
 from __future__ import annotations
 
 import platform
@@ -52,8 +53,12 @@ def bench(model, sampler, cache, gen_length: int, block_length: int, steps: int 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     runs = [decode(model, prompts, sampler, cache, gen_length, block_length, steps, seed, stop_early=False,
-                   profile=True, callback=callback, compile=compile)[1] for _ in range(repeats)]
+                   callback=callback, compile=compile)[1] for _ in range(repeats)]
     stats = sorted(runs, key=lambda s: s.seconds)[len(runs) // 2]
+    # forwards timed one by one in a run of their own: on a GPU that waits for the device around every forward,
+    # which would keep the host from queueing the loop's work behind it in the timed runs
+    profiled = decode(model, prompts, sampler, cache, gen_length, block_length, steps, seed, stop_early=False,
+                      profile=True, callback=callback, compile=compile)[1]
     length = prompt_length + gen_length
     rows = sum(stats.rows_per_layer) / len(stats.rows_per_layer)
     cfg = model.config
@@ -72,8 +77,8 @@ def bench(model, sampler, cache, gen_length: int, block_length: int, steps: int 
         "tpf": stats.tpf,
         "tokens_per_second": stats.tokens_per_second,
         "ms_per_step": 1000 * stats.seconds / stats.nfe,  # a forward and the loop's own work (sampler, bookkeeping)
-        "ms_per_forward": {kind: 1000 * statistics.median(times) for kind, times in stats.forward_seconds.items()},
-        "forwards_by_kind": {kind: len(times) for kind, times in stats.forward_seconds.items()},
+        "ms_per_forward": {kind: 1000 * statistics.median(times) for kind, times in profiled.forward_seconds.items()},
+        "forwards_by_kind": {kind: len(times) for kind, times in profiled.forward_seconds.items()},
         "rows_per_token": rows / stats.gen_tokens,  # canvas rows computed per layer per generated token
         "rows_vs_no_cache": rows / (stats.nfe * batch_size * length),  # ... relative to recomputing every row
         "cache_mb": stats.cache_bytes / 2**20,

@@ -248,7 +248,7 @@ def _bench(args) -> int:
     model, _ = dllm.load(args.model, device=args.device, dtype=args.dtype)
     cache = caches.CACHES.create(default_cache(model)) if cache is None else cache
     lengths = decoding_lengths(model, args.gen_length, args.block_length, args.steps)
-    total = sum(batch_sizes) * (1 + args.repeats) * lengths["gen_length"]  # warm-up + runs
+    total = sum(batch_sizes) * (2 + args.repeats) * lengths["gen_length"]  # warm-up, timed runs, forwards timed
     with _progress(args, total, "bench") as bar:
         for batch_size in batch_sizes:  # one load (and one compilation) for every batch size
             result = bench(model, sampler, cache, **lengths, batch_size=batch_size,

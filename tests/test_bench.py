@@ -46,9 +46,10 @@ def test_cli_bench_times_each_batch_size_on_one_model(capsys):
 
 @pytest.mark.parametrize("tty,json_flag,bar", [(True, False, True), (True, True, False), (False, False, False)])
 def test_progress_bar_only_on_a_terminal_without_json(tty, json_flag, bar, capsys, monkeypatch):
-    """The bar's total is every token committed (warm-up run + timed runs); off with --json or when piped."""
+    """The bar's total is every token committed (warm-up run, timed runs, the run that times each forward); off
+    with --json or when piped."""
     monkeypatch.setattr("sys.stderr.isatty", lambda: tty, raising=False)
     main(["bench", "--model", "random:llada-tiny", "--gen-length", "16", "--block-length", "8", "--prompt-length",
           "8", "--repeats", "2", "--batch-size", "2"] + ["--json"] * json_flag)
     err = capsys.readouterr().err
-    assert ("bench:" in err and "/96 [" in err) == bar  # 2 rows x (16 warm-up + 2 x 16) tokens
+    assert ("bench:" in err and "/128 [" in err) == bar  # 2 rows x (16 warm-up + 2 x 16 + 16) tokens
