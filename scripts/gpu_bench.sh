@@ -21,22 +21,23 @@ MODES=${MODES:-eager compile}
 SDAR_MODEL=${SDAR_MODEL-random:sdar-8b}
 LLADA2_MODEL=${LLADA2_MODEL-random:llada2-mini}
 mkdir -p "$OUT"
-for mode in $MODES; do  # one process per model, cache and mode: one load and one compilation for both batches
+for mode in $MODES; do  # one process per model, cache and mode: one load and one compilation for both batches;
+  # per batch size a warm-up run, one timed run and one run that times each forward (dllm bench)
   flag=""
   [ "$mode" = compile ] && flag="--compile"
   if [ -n "$MODEL" ]; then
     for cache in none dual; do
       dllm bench --model "$MODEL" --device "$DEVICE" --dtype "$DTYPE" --sampler low_confidence --cache "$cache" \
-        --gen-length "$GEN" --block-length 32 --batch-size 1,8 --repeats 2 $flag --json > "$OUT/llada-$mode-$cache.jsonl"
+        --gen-length "$GEN" --block-length 32 --batch-size 1,8 --repeats 1 $flag --json > "$OUT/llada-$mode-$cache.jsonl"
     done
   fi
   if [ -n "$SDAR_MODEL" ]; then  # the block-diffusion models (MoE layers compile in bf16)
     dllm bench --model "$SDAR_MODEL" --device "$DEVICE" --dtype "$DTYPE" --sampler low_confidence --cache block \
-      --gen-length "$GEN" --block-length 4 --batch-size 1,8 --repeats 2 $flag --json > "$OUT/sdar-$mode-block.jsonl"
+      --gen-length "$GEN" --block-length 4 --batch-size 1,8 --repeats 1 $flag --json > "$OUT/sdar-$mode-block.jsonl"
   fi
   if [ -n "$LLADA2_MODEL" ]; then
     dllm bench --model "$LLADA2_MODEL" --device "$DEVICE" --dtype "$DTYPE" --sampler low_confidence --cache block \
-      --gen-length "$GEN" --batch-size 1,8 --repeats 2 $flag --json > "$OUT/llada2-$mode-block.jsonl"
+      --gen-length "$GEN" --batch-size 1,8 --repeats 1 $flag --json > "$OUT/llada2-$mode-block.jsonl"
   fi
 done
 python - "$OUT" <<'EOF'
