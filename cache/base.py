@@ -119,7 +119,8 @@ class KVStore(PassThrough):
 
     One tensor per layer and kind rather than views of one buffer: a compiled forward that writes into views of one
     buffer copies the whole buffer at every layer (inductor turns a view's in-place write into a copy of its base),
-    which made llada-small's compiled cached forward 1.6x (batch 1) to 2.7x (batch 8) slower on a CPU."""
+    which made llada-small's compiled cached forward 2.2x (batch 1) to 3.6x (batch 8) slower on a CPU at gen 256
+    (BENCHMARKS.md)."""
 
     def __init__(self, n_layers: int, batch: int, kv_heads: int, length: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, allocate: Callable[..., list[Tensor]] = zeros):

@@ -44,6 +44,24 @@ def test_cli_bench_times_each_batch_size_on_one_model(capsys):
     assert [r["rows_per_token"] * 16 * r["config"]["batch_size"] for r in lines] == pytest.approx([per_row, 3 * per_row])
 
 
+def test_timed_runs_never_wait_for_the_device_around_a_forward(monkeypatch):
+    """Seconds and tokens/s come from runs without per-forward timing (on a GPU that timing synchronizes around
+    every forward); the per-forward times come from one run of their own, after them."""
+    import dllm.bench
+
+    profiled, real_decode = [], dllm.bench.decode
+
+    def decode(*args, **kwargs):
+        profiled.append(kwargs.get("profile", False))
+        return real_decode(*args, **kwargs)
+
+    monkeypatch.setattr(dllm.bench, "decode", decode)
+    r = bench(random_model("llada-tiny"), samplers.SAMPLERS.create("low_confidence"), caches.CACHES.create("dual"),
+              16, 8, prompt_length=8, repeats=3)
+    assert profiled == [False, False, False, False, True]  # warm-up, 3 timed runs, the per-forward run
+    assert sum(r["forwards_by_kind"].values()) == r["nfe"]
+
+
 @pytest.mark.parametrize("tty,json_flag,bar", [(True, False, True), (True, True, False), (False, False, False)])
 def test_progress_bar_only_on_a_terminal_without_json(tty, json_flag, bar, capsys, monkeypatch):
     """The bar's total is every token committed (warm-up run, timed runs, the run that times each forward); off

@@ -80,7 +80,7 @@ def test_every_sampler_decodes_the_eager_tokens_compiled(tiny_llada, sampler):
 def test_the_compiled_cached_forward_writes_the_store_in_place():
     """Inductor's code for a dual-cache block step allocates nothing as large as one layer's keys: the fresh keys
     and values go into the store where it is (a store made of views of one buffer was copied whole at every
-    layer, 2.7x slower at batch 8)."""
+    layer, 3.6x slower at batch 8)."""
     from torch._inductor.utils import run_and_get_code
 
     model = random_model("llada-tiny")
