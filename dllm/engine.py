@@ -300,7 +300,13 @@ def compiled_run(model: DiffusionLM):
     run = getattr(model, "_compiled_run", None)
     if run is None:
         mode = "reduce-overhead" if model.device.type == "cuda" else None
-        run = model._compiled_run = torch.compile(model.run, fullgraph=True, mode=mode)
+        compiled = torch.compile(model.run, fullgraph=True, mode=mode)
+        constant_floats = torch._dynamo.config.patch(specialize_float=True)
+
+        def run(*args):
+            with constant_floats:  # a model's floats (norm eps) are constants: a repeated layer takes tensors only
+                return compiled(*args)
+        model._compiled_run = run
     return run
 
 

@@ -1,5 +1,6 @@
 """The compiled forward (`--compile`): one graph with no breaks for the caches whose rows are slices, the same
 tokens as the eager loop, and a clear refusal for the caches that pick rows token by token."""
+import dataclasses
 import math
 import re
 
@@ -10,9 +11,9 @@ from conftest import random_model
 import dllm
 from dllm import cache as caches
 from dllm.cache.base import gather_rows
-from dllm.engine import Canvas
+from dllm.engine import Canvas, compiled_run, decode, split_params
 from dllm.errors import DllmError
-from dllm.models import Rows
+from dllm.models import DiffusionLM, Rows
 from dllm.samplers import SAMPLERS
 
 PROMPTS = [[5, 6, 7, 8], [9, 10]]
@@ -99,6 +100,31 @@ def test_the_compiled_cached_forward_writes_the_store_in_place():
     allocated = [math.prod(int(n) for n in shape.split(",") if n.strip())
                  for shape in re.findall(r"empty_strided_\w+\(\(([\d, ]+)\)", code)]
     assert allocated and max(allocated) < kv.k[0].numel(), sorted(allocated)[-3:]
+
+
+def test_each_layer_calls_the_code_compiled_once_for_all_layers():
+    """The work before and after attention is compiled once and called by every layer (nested compile regions):
+    inductor's code for a 4-layer model defines two regions and calls each four times."""
+    from torch._inductor.utils import run_and_get_code
+
+    model = DiffusionLM(dataclasses.replace(random_model("llada-tiny").config, n_layers=4)).eval()
+    canvas = Canvas.build(model, PROMPTS, 16)
+    with torch.no_grad():
+        _, (code, *_) = run_and_get_code(compiled_run(model), canvas.tokens, canvas.positions, canvas.key_mask)
+    assert len(re.findall(r"^def repeated_subgraph\d+\(", code, re.M)) == 2
+    calls = re.findall(r"= (repeated_subgraph\d+)\(", code)
+    assert len(calls) == 8 and all(calls.count(name) == 4 for name in calls), calls
+
+
+def test_models_with_other_norm_eps_compile_in_one_process():
+    """A region takes tensors only: a model's float constants (RMSNorm eps: Dream 1e-6, LLaDA 1e-5) are compiled
+    in, not passed, so a second model with another eps compiles and decodes the eager tokens."""
+    for preset in ("dream-tiny", "llada-tiny"):
+        model = random_model(preset)
+        sampler, cache = split_params("threshold", "dual", {})
+        want, _, _ = decode(model, [[5, 6, 7, 8]], sampler, cache, 16, 8)
+        got, _, _ = decode(model, [[5, 6, 7, 8]], sampler, cache, 16, 8, compile=True)
+        assert torch.equal(got.tokens, want.tokens), preset
 
 
 def test_the_store_lender_hands_a_returned_store_back_zeroed_and_keeps_a_few():
