@@ -6,6 +6,7 @@ when every row has finished (a stop token committed with nothing masked before i
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
@@ -301,13 +302,19 @@ def compiled_run(model: DiffusionLM):
     if run is None:
         mode = "reduce-overhead" if model.device.type == "cuda" else None
         compiled = torch.compile(model.run, fullgraph=True, mode=mode)
-        constant_floats = torch._dynamo.config.patch(specialize_float=True)
 
         def run(*args):
-            with constant_floats:  # a model's floats (norm eps) are constants: a repeated layer takes tensors only
+            with _CONSTANT_FLOATS_LOCK, _CONSTANT_FLOATS:
                 return compiled(*args)
         model._compiled_run = run
     return run
+
+
+# A model's floats (RMSNorm eps) are compiled in as constants: a layer region (`Block`) takes tensors only, and
+# without this a second model with another eps would pass it as a float. The patch is one object that sets torch's
+# process-wide config, so one thread at a time holds it.
+_CONSTANT_FLOATS = torch._dynamo.config.patch(specialize_float=True)
+_CONSTANT_FLOATS_LOCK = threading.Lock()
 
 
 class StoreLender:
