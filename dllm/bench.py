@@ -1,8 +1,8 @@
 """`dllm bench`: the cost of one decoding configuration, measured (never estimated) on fixed random prompts.
 
 Runs with `stop_early=False`, so every run does the same work whatever the weights (random models never stop).
-Reports the median of `repeats` timed runs after a warm-up run, and each forward's time from one more run that times
-them one by one."""
+Reports the median of `repeats` timed runs after a warm-up run (its time too: with `--compile`, the compilation), and
+each forward's time from one more run that times them one by one."""
 from __future__ import annotations
 
 import platform
@@ -48,8 +48,8 @@ def bench(model, sampler, cache, gen_length: int, block_length: int, steps: int 
     compiles it)."""
     prompts = random_prompts(model, batch_size, prompt_length, seed)
     device = model.device
-    decode(model, prompts, sampler, cache, gen_length, block_length, steps, seed, stop_early=False,
-           callback=callback, compile=compile)  # warm-up (and compilation: every shape of the timed runs)
+    warm_up = decode(model, prompts, sampler, cache, gen_length, block_length, steps, seed, stop_early=False,
+                     callback=callback, compile=compile)[1]  # and compilation: every shape of the timed runs
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     runs = [decode(model, prompts, sampler, cache, gen_length, block_length, steps, seed, stop_early=False,
@@ -73,6 +73,7 @@ def bench(model, sampler, cache, gen_length: int, block_length: int, steps: int 
                    "block_length": block_length, "steps": steps, "batch_size": batch_size,
                    "prompt_length": prompt_length, "repeats": repeats, "compile": compile},
         "seconds": stats.seconds,
+        "warm_up_seconds": warm_up.seconds,  # the first run: with --compile, compiling this batch size's shapes
         "nfe": stats.nfe,
         "tpf": stats.tpf,
         "tokens_per_second": stats.tokens_per_second,
@@ -97,7 +98,8 @@ def format_result(r: dict) -> str:
             f"{c['sampler']['name']} + {c['cache']['name']} | gen {c['gen_length']} block {c['block_length']} "
             f"batch {c['batch_size']} prompt {c['prompt_length']} | {r['device']}\n"
             f"  {r['seconds']:.3f} s, {r['nfe']} forwards, {r['tpf']:.2f} tokens/forward, "
-            f"{r['tokens_per_second']:.1f} tokens/s\n"
+            f"{r['tokens_per_second']:.1f} tokens/s; warm-up run {r['warm_up_seconds']:.3f} s"
+            f"{' (compiles)' if c['compile'] else ''}\n"
             f"  per step {r['ms_per_step']:.2f} ms; per forward: {per_kind}\n"
             f"  rows per layer per token {r['rows_per_token']:.1f} ({r['rows_vs_no_cache']:.3f} of no cache), "
             f"cache {r['cache_mb']:.1f} MB, peak {r['peak_mb']:.0f} MB\n")

@@ -66,11 +66,13 @@ for r in results:
     rows.append(f"| {model['arch']} | {config['cache']['name']} | {'compile' if config.get('compile') else 'eager'} | "
                 f"{config['batch_size']} | {cell(ms.get('full'))} | {cell(ms.get('cached'))} | {cell(weights)} | "
                 f"{cell(flops)} | " + (f"{ms[kind] / floor:.2f}x" if floor else "-")
-                + f" | {r['ms_per_step']:.2f} | {r['tokens_per_second']:.0f} | {r['peak_mb']:.0f} |")
+                + f" | {r['ms_per_step']:.2f} | {r['tokens_per_second']:.0f} | {r['peak_mb']:.0f} "
+                f"| {r['warm_up_seconds']:.1f} |")
 print(f"{r['model']['dtype']} on {r['device']}, gen {r['config']['gen_length']}, prompt {r['config']['prompt_length']}, "
       "block 32 (sdar: 4, llada2: the preset's block)\n")
 print("| model | cache | mode | batch | ms per full forward | ms per cached forward | weight-read floor ms "
-      "| matmul floor ms | cached (or full) / the larger floor | ms per step | tokens/s | peak MB |")
-print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+      "| matmul floor ms | cached (or full) / the larger floor | ms per step | tokens/s | peak MB "
+      "| first run s (compiled: compiles) |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 print("\n".join(rows))
 EOF

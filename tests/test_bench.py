@@ -62,6 +62,25 @@ def test_timed_runs_never_wait_for_the_device_around_a_forward(monkeypatch):
     assert sum(r["forwards_by_kind"].values()) == r["nfe"]
 
 
+def test_the_warm_up_run_is_reported_apart_from_the_timed_runs(monkeypatch):
+    """`warm_up_seconds` is the first run's time (with --compile, the compilation), never part of `seconds`."""
+    import dllm.bench
+
+    real_decode, calls = dllm.bench.decode, []
+
+    def decode(*args, **kwargs):
+        canvas, stats, trace = real_decode(*args, **kwargs)
+        calls.append(stats)
+        if len(calls) == 1:
+            stats.seconds = 100.0  # a slow first run
+        return canvas, stats, trace
+
+    monkeypatch.setattr(dllm.bench, "decode", decode)
+    r = bench(random_model("llada-tiny"), samplers.SAMPLERS.create("low_confidence"), caches.CACHES.create("dual"),
+              16, 8, prompt_length=8, repeats=1)
+    assert r["warm_up_seconds"] == 100.0 and r["seconds"] == calls[1].seconds < 100.0
+
+
 @pytest.mark.parametrize("tty,json_flag,bar", [(True, False, True), (True, True, False), (False, False, False)])
 def test_progress_bar_only_on_a_terminal_without_json(tty, json_flag, bar, capsys, monkeypatch):
     """The bar's total is every token committed (warm-up run, timed runs, the run that times each forward); off
