@@ -108,15 +108,16 @@ class KVAccess(Protocol):
 
 
 class RMSNorm(nn.Module):
+    """x * rsqrt(mean(x^2) + eps) in fp32, cast back, then scaled by the weight (Llama's order). The fp32 part is
+    one `F.rms_norm` without a weight: one fused kernel instead of five, bitwise the same values on a CPU."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.to(x.dtype) * self.weight
+        return F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype) * self.weight
 
 
 def rope_frequencies(cfg: ModelConfig, device=None) -> Tensor:
