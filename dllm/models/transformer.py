@@ -192,7 +192,7 @@ def attention_probabilities(q: Tensor, k: Tensor, key_mask: Tensor | None) -> Te
 
 class Block(nn.Module):
     """One layer. Its work before and after attention are nested compile regions: `torch.compile` traces and
-    compiles each once and stamps it out for every layer of the same kind (a 32-layer model compiled 2.6x faster
+    compiles each once and stamps it out for every layer of the same kind (a 32-layer model compiled 2.4x faster
     on a CPU, BENCHMARKS.md); the cache's store write and attention stay in the calling graph. Eager: plain calls."""
 
     def __init__(self, cfg: ModelConfig, layer: int):
