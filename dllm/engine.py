@@ -147,15 +147,14 @@ def check_lengths(gen_length: int, block_length: int, steps: int | None) -> int:
 
 
 def _finish_rows(canvas: Canvas, finished: Tensor, cfg) -> Tensor:
-    """Mark rows whose answer is complete (a stop token with nothing masked before it) and write the filler
+    """Mark rows whose answer is complete (its first stop token comes before its first mask) and write the filler
     into their remaining masks. Returns the updated `finished`."""
     tokens, length = canvas.tokens, canvas.tokens.shape[1]
     column = torch.arange(length, device=tokens.device)
-    stops = torch.isin(tokens, canvas.stop_ids) & canvas.answer
-    first = torch.where(stops, column, length).amin(1, keepdim=True)  # the first stop, or the canvas length
+    first_stop = torch.where(torch.isin(tokens, canvas.stop_ids) & canvas.answer, column, length).amin(1)
     masked = (tokens == cfg.mask_id) & canvas.answer
-    done = (first[:, 0] < length) & ~(masked & (column < first)).any(1)
-    tokens.masked_fill_(done[:, None] & (column > first) & masked, cfg.filler_id)
+    done = first_stop < torch.where(masked, column, length).amin(1)  # no stop: first_stop == length
+    tokens.masked_fill_(masked & done[:, None], cfg.filler_id)
     return finished | done
 
 
