@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-
 from dllm.models import Rows
 from dllm.params import param
 

@@ -292,6 +292,13 @@ def check_compile(cache: Cache, compile: bool) -> None:
                         f"(compile=False) or use cache none, prefix or dual")
 
 
+# A model's floats (RMSNorm eps) are compiled in as constants: a layer region (`Block`) takes tensors only, and
+# without this a second model with another eps would pass it as a float. The patch is one object that sets torch's
+# process-wide config, so one thread at a time holds it.
+_CONSTANT_FLOATS = torch._dynamo.config.patch(specialize_float=True)
+_CONSTANT_FLOATS_LOCK = threading.Lock()
+
+
 def compiled_run(model: DiffusionLM):
     """`model.run` under `torch.compile(fullgraph=True)`, made once per model. Shapes that change from call to
     call (prefix's rows shrinking block by block) are recompiled once as dynamic shapes. On a GPU the compiled
@@ -307,13 +314,6 @@ def compiled_run(model: DiffusionLM):
                 return compiled(*args)
         model._compiled_run = run
     return run
-
-
-# A model's floats (RMSNorm eps) are compiled in as constants: a layer region (`Block`) takes tensors only, and
-# without this a second model with another eps would pass it as a float. The patch is one object that sets torch's
-# process-wide config, so one thread at a time holds it.
-_CONSTANT_FLOATS = torch._dynamo.config.patch(specialize_float=True)
-_CONSTANT_FLOATS_LOCK = threading.Lock()
 
 
 class StoreLender:
