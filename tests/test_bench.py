@@ -1,5 +1,9 @@
 """`dllm bench`: counted costs equal their closed forms (no timing assertions)."""
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -90,3 +94,24 @@ def test_progress_bar_only_on_a_terminal_without_json(tty, json_flag, bar, capsy
           "8", "--repeats", "2", "--batch-size", "2"] + ["--json"] * json_flag)
     err = capsys.readouterr().err
     assert ("bench:" in err and "/128 [" in err) == bar  # 2 rows x (16 warm-up + 2 x 16 + 16) tokens
+
+
+def test_the_gpu_script_writes_its_whole_table_on_the_tiny_presets(tmp_path):
+    """scripts/gpu_bench.sh, as the next lent GPU will run it, on the CPU with the tiny presets (eager): a row per
+    model, cache and batch size, each with its timings; the floors need a known card, so a CPU's are '-'."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_bench.sh"
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "MODEL": "random:llada-tiny", "SDAR_MODEL": "random:sdar-tiny", "LLADA2_MODEL": "random:llada2-tiny",
+           "DEVICE": "cpu", "DTYPE": "float32", "GEN": "32", "MODES": "eager", "OUT": str(tmp_path)}
+    out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, check=True).stdout
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and "---" not in line]
+    header, rows = [cell.strip() for cell in rows[0]], [[cell.strip() for cell in row] for row in rows[1:]]
+    assert [(r[0], r[1], r[2], r[3]) for r in rows] == [
+        ("llada", "dual", "eager", "1"), ("llada", "dual", "eager", "8"), ("llada", "none", "eager", "1"),
+        ("llada", "none", "eager", "8"), ("llada2", "block", "eager", "1"), ("llada2", "block", "eager", "8"),
+        ("sdar", "block", "eager", "1"), ("sdar", "block", "eager", "8")]
+    for row in rows:
+        forward = "ms per full forward" if row[1] == "none" else "ms per cached forward"
+        assert all(float(row[header.index(name)]) > 0 for name in (forward, "ms per step", "tokens/s")), row
+        assert float(row[header.index("first run s (compiled: compiles)")]) >= 0
+        assert row[header.index("weight-read floor ms")] == "-"
