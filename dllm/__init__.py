@@ -12,7 +12,8 @@ The names below are imported on first use, so `import dllm.params` does not pull
 import importlib
 
 _EXPORTS = {"DllmError": "errors", "Generation": "engine", "Stats": "engine", "decode": "engine",
-            "generate": "engine", "available_models": "loading", "load": "loading", "save_pretrained": "loading"}
+            "generate": "engine", "stream": "engine", "available_models": "loading", "load": "loading",
+            "save_pretrained": "loading"}
 
 __all__ = sorted(_EXPORTS)
 

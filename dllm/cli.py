@@ -134,8 +134,9 @@ def _generate(args) -> int:
 
 
 def _chat(args) -> int:
-    """A chat on stdin/stdout; each turn decodes the whole conversation so far, unless the model was trained on
-    single turns (`multi_turn: false` in its generation_config.json) or --no-history is given."""
+    """A chat on stdin/stdout, each answer printed block by block as it is decoded; each turn decodes the whole
+    conversation so far, unless the model was trained on single turns (`multi_turn: false` in its
+    generation_config.json) or --no-history is given."""
     import dllm
 
     sampler, cache = _policies(args)
@@ -155,10 +156,12 @@ def _chat(args) -> int:
             break
         messages = [*messages, {"role": "user", "content": line}] if history else [{"role": "user", "content": line}]
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        answer = dllm.generate(model, tok, [text], sampler, cache, **lengths, seed=args.seed, chat=False,
-                               compile=args.compile).texts[0]
-        messages.append({"role": "assistant", "content": answer})
-        print(answer, flush=True)
+        answer = dllm.stream(model, tok, text, sampler, cache, **lengths, seed=args.seed, chat=False,
+                             compile=args.compile)
+        for delta in answer:  # each block's text once it is decoded
+            print(delta, end="", flush=True)
+        print(flush=True)
+        messages.append({"role": "assistant", "content": answer.generation.texts[0]})
     return 0
 
 

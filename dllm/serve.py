@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from .engine import (Batch, Canvas, check_int, check_policies, decoding_lengths, encode_prompts, lengths_for_answer,
-                     split_params)
+from .engine import (Batch, Canvas, answer_text, check_int, check_policies, decoding_lengths, encode_prompts,
+                     lengths_for_answer, split_params)
 from .errors import DllmError
 
 OPENAI_FIELDS = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "seed", "stream",
@@ -317,7 +317,7 @@ class Engine:
         answer, finished, stop_token = batch.answer(row), batch.done(row), row.finished
         over = job.max_tokens is not None and len(answer) > job.max_tokens  # cut at max_tokens
         ids = answer[:job.max_tokens] if job.max_tokens is not None else answer
-        text = self.tokenizer.decode([t for t in ids if t < len(self.tokenizer)], skip_special_tokens=True)
+        text = answer_text(self.tokenizer, ids)
         hits = [i for i in (text.find(s) for s in job.stop) if i >= 0]
         text = text[:min(hits)] if hits else text
         done = finished or bool(hits) or job.max_tokens is not None and len(ids) >= job.max_tokens

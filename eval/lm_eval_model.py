@@ -96,6 +96,7 @@ class DllmLM(LM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         import dllm
+        from dllm.engine import answer_text
 
         self._log_share("generate_until", requests)
 
@@ -113,7 +114,7 @@ class DllmLM(LM):
                                     self.cache, chat=False, **lengths)  # lm-eval applies the chat template itself
                 for i, ids in zip(batch, out.token_ids):
                     ids = ids[:int(max_gen_toks)] if max_gen_toks else ids
-                    text = self.tokenizer.decode([t for t in ids if t < len(self.tokenizer)], skip_special_tokens=True)
+                    text = answer_text(self.tokenizer, ids)
                     until = requests[i].args[1].get("until") or []
                     for stop in [until] if isinstance(until, str) else until:
                         text = text.split(stop)[0] if stop else text

@@ -59,12 +59,16 @@ def test_there_are_examples_to_check():
 
 def test_python_example_answers_right(capsys):
     code = next(body for lang, body in BLOCKS if lang == "python")
-    with contextlib.redirect_stdout(io.StringIO()):
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
         scope: dict = {}
         exec(code, scope)
     out = scope["out"]
     prompts = re.search(r"generate\(model, tok, (\[.*?\])", code, re.S)[1]
     assert [extract_answer(t) for t in out.texts] == [solve(p) for p in eval(prompts)]
+    streamed = scope["stream"].generation.texts[0]
+    assert extract_answer(streamed) == solve(re.search(r"stream\(model, tok, (\".*?\")", code)[1].strip('"'))
+    assert streamed in printed.getvalue()
 
 
 @pytest.mark.parametrize("line", commands(("bench", "eval", "list")))

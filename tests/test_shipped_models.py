@@ -77,3 +77,43 @@ def test_cli_chat_answers_each_turn(monkeypatch, capsys):
     assert main(["chat", "--sampler", "threshold", "--cache", "dual"]) == 0
     first, second = capsys.readouterr().out.splitlines()  # one line per turn; stops at the empty line
     assert [first, second] == [HELD_OUT[0].answer, HELD_OUT[2].answer]  # single-turn model: each turn afresh
+
+
+@pytest.mark.parametrize("sampler,cache", [("low_confidence", None), ("threshold", "fast"),
+                                           ("speculative", "fast")])
+def test_stream_gives_the_answer_block_by_block_while_decoding(shipped, fast_cache, sampler, cache):
+    """`dllm.stream`: the texts it yields add up to `generate`'s answer for the prompt alone (tokens and forwards
+    the same), and the first arrives before the decoding ends (a text per decoded block, not one at the end)."""
+    model, tok = shipped
+    cache = fast_cache if cache == "fast" else cache
+    size = model.config.block_size or 8
+    for ex in HELD_OUT[::10]:
+        steps = []
+        s = dllm.stream(model, tok, ex.prompt, sampler, cache, gen_length=64, block_length=size,
+                        callback=lambda info: steps.append(info))
+        deltas, steps_at = [], []
+        for text in s:
+            deltas.append(text)
+            steps_at.append(len(steps))
+        alone = dllm.generate(model, tok, [ex.prompt], sampler, cache, gen_length=64, block_length=size)
+        assert "".join(deltas) == s.generation.texts[0] == alone.texts[0]
+        assert s.generation.token_ids == alone.token_ids and s.generation.stats.nfe == alone.stats.nfe
+        assert torch.equal(s.generation.sequences, alone.sequences)
+        assert len(deltas) > 1 and steps_at[0] < len(steps)
+
+
+def test_stream_holds_a_character_split_between_blocks_back(monkeypatch):
+    """A block that ends inside a character (byte-level BPE: the decoded text ends in U+FFFD) gives no text
+    until the next block completes the character."""
+    model, tok = dllm.load("tiny-llada")
+    prompt = "copy: k3j9x7q2m8"  # "#### k3j" | "9x7q2m8" and the stop: two blocks of 8
+    decode = type(tok).decode
+    monkeypatch.setattr(type(tok), "decode", lambda self, ids, **kw: decode(self, ids, **kw)[:-1] + "\ufffd"
+                        if len(ids) == 8 else decode(self, ids, **kw))
+    assert list(dllm.stream(model, tok, prompt, "threshold", "dual", block_length=8)) == ["#### k3j9x7q2m8"]
+
+
+def test_stream_takes_one_prompt():
+    model, tok = dllm.load("tiny-llada")
+    with pytest.raises(dllm.DllmError, match="stream takes one prompt .* use generate for a batch"):
+        dllm.stream(model, tok, ["copy: ab", "copy: cd"])
