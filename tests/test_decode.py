@@ -192,8 +192,8 @@ def test_attention_probabilities_of_chosen_rows(model):
     block, cfg = model.layers[0], model.config
     h = block.attn_norm(model.embed(canvas.tokens))
     cos, sin = model.rope_tables(canvas.positions)
-    from dllm.models.transformer import rope
-    q, k, _ = block.qkv_proj(h).split(block.qkv_sizes, -1)
+    from dllm.models.transformer import qkv_sizes, rope
+    q, k, _ = block.qkv_proj(h).split(qkv_sizes(cfg), -1)
     q = rope(q.view(2, L, cfg.n_heads, -1).transpose(1, 2), cos, sin)
     k = rope(k.view(2, L, cfg.n_kv_heads, -1).transpose(1, 2), cos, sin)
     k = k.repeat_interleave(cfg.n_heads // cfg.n_kv_heads, 1)

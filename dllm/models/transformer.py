@@ -13,7 +13,6 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 from torch import Tensor, nn
 
 from .moe import MoE, MoEConfig
@@ -198,10 +197,11 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         d = cfg.hidden_size
-        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
-        self.qkv_sizes, self.gate_up_sizes = qkv_sizes(cfg), (cfg.intermediate_size,) * 2
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        q, kv, _ = qkv_sizes(cfg)
+        self.qk_v_sizes, self.gate_up_sizes = (q + kv, kv), (cfg.intermediate_size,) * 2
         self.attn_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.qkv_proj = nn.Linear(d, sum(self.qkv_sizes), bias=cfg.qkv_bias)  # q, k, v in one matmul
+        self.qkv_proj = nn.Linear(d, q + 2 * kv, bias=cfg.qkv_bias)  # q, k, v in one matmul
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, d, bias=False)
         if cfg.qk_norm:
             self.q_norm, self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps), RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -227,20 +227,19 @@ class Block(nn.Module):
     @torch.compiler.nested_compile_region
     def attention_inputs(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """Post-RoPE queries and keys in one tensor `[B, H + Hkv, A, D]` (a region returns no two views of one
-        tensor), and the values."""
-        h = self.attn_norm(x)
-        q, k, v = fused_linear(h, self.qkv_proj, self.qkv_sizes)
-        q = rearrange(q, "b a (h d) -> b h a d", h=self.n_heads)
-        k = rearrange(k, "b a (h d) -> b h a d", h=self.n_kv_heads)
-        v = rearrange(v, "b a (h d) -> b h a d", h=self.n_kv_heads)
+        tensor), and the values `[B, Hkv, A, D]`: the projection's query and key columns stay together, so one
+        RoPE call takes both without a copy."""
+        qk, v = fused_linear(self.attn_norm(x), self.qkv_proj, self.qk_v_sizes)
+        qk = qk.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
         if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        return rope(torch.cat((q, k), 1), cos, sin), v  # one rope for both
+            q, k = qk.split((self.n_heads, self.n_kv_heads), 1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), 1)
+        return rope(qk, cos, sin), v.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
 
     @torch.compiler.nested_compile_region
     def output_and_mlp(self, x: Tensor, o: Tensor) -> Tensor:
         """The attention output `o` `[B, H, A, D]` projected into the residual stream, then the feed-forward."""
-        x = x + self.o_proj(rearrange(o, "b h a d -> b a (h d)"))
+        x = x + self.o_proj(o.transpose(1, 2).flatten(2))
         h = self.mlp_norm(x)
         if hasattr(self, "moe"):
             return x + self.moe(h)
