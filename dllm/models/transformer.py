@@ -140,8 +140,9 @@ def shard_rows(cfg: ModelConfig, shard: str, rows: int) -> slice:
 
 def fused_linear(x: Tensor, layer: nn.Linear, sizes: tuple[int, ...], per_part: bool | None = None
                  ) -> tuple[Tensor, ...]:
-    """The parts of a fused projection (q/k/v, gate/up): one matmul on a GPU; on a CPU (`per_part`) one matmul
-    per part on the weight's contiguous row blocks, which measured 4-10% faster there (oneDNN, llada-small)."""
+    """The parts of a fused projection (queries and keys | values, gate | up): one matmul on a GPU; on a CPU
+    (`per_part`) one matmul per part on the weight's contiguous row blocks, which measured 4-10% faster there
+    (oneDNN, llada-small)."""
     if per_part is None:
         per_part = not x.is_cuda
     if not per_part:
