@@ -721,13 +721,27 @@ def decoding_lengths(model: DiffusionLM, gen_length: int | None = None, block_le
     (`generation_config.json`), else ours (block_length: a block-causal model's attention block). Validated, so a
     bad value fails before any work."""
     own = getattr(model, "generation_defaults", {})
+    from_file = [name for name, given in (("gen_length", gen_length), ("block_length", block_length),
+                                          ("steps", steps)) if given is None and name in own]
     gen_length = own.get("gen_length", DEFAULT_GEN_LENGTH) if gen_length is None else gen_length
-    if block_length is None:  # a block-causal model decodes in its attention blocks
-        block_length = own.get("block_length", model.config.block_size or DEFAULT_BLOCK_LENGTH)
+    if block_length is None:  # a block-causal model decodes in its attention blocks; others in blocks of 32, or
+        # of the largest size below that divides the answer (gen_length 48 alone: blocks of 24)
+        block_length = own.get("block_length") or model.config.block_size or _default_block(gen_length)
     if steps is None:
         steps = own.get("steps")
-    check_lengths(gen_length, block_length, steps)
+    try:
+        check_lengths(gen_length, block_length, steps)
+    except DllmError as e:
+        if not from_file:
+            raise
+        raise DllmError(f"{e} ({' and '.join(from_file)} from the model's generation_config.json)") from None
     return {"gen_length": gen_length, "block_length": block_length, "steps": steps}
+
+
+def _default_block(gen_length) -> int:
+    if isinstance(gen_length, bool) or not isinstance(gen_length, int) or gen_length < 1:
+        return DEFAULT_BLOCK_LENGTH  # check_lengths names the problem
+    return max(b for b in range(1, min(gen_length, DEFAULT_BLOCK_LENGTH) + 1) if gen_length % b == 0)
 
 
 def lengths_for_answer(lengths: dict[str, int | None], max_tokens: int | None) -> dict[str, int | None]:
@@ -775,7 +789,8 @@ def generate(model: DiffusionLM, tokenizer, prompts, sampler: str | Sampler = "l
     `params` go to the sampler or the cache by name (e.g. `threshold=0.9`, `temperature=0.5`,
     `refresh_every=4`); a name both take goes in `sampler_args`/`cache_args`. `cache` defaults to
     `default_cache(model)` (block-causal models: `block`; others: `none`). gen_length and block_length
-    default to the model directory's `generation_config.json`, else 64 and 32; steps to gen_length (one token
+    default to the model directory's `generation_config.json`, else 64 and 32 (or the largest block below 32
+    that divides gen_length); steps to gen_length (one token
     per step for schedule-driven samplers). `callback` is called after every step (see `decode`). `compile`
     runs the model under `torch.compile` (caches none, prefix, dual, block; the first calls compile, minutes on a
     CPU for a large model)."""

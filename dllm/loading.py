@@ -40,7 +40,11 @@ def load(name_or_path: str, device: str | torch.device = "cpu", dtype: torch.dty
     dtype = parse_dtype(dtype) if dtype is not None else None
     if name_or_path.startswith("random:"):
         return _load_random(name_or_path.removeprefix("random:"), device, dtype or torch.float32, seed)
-    path = SHIPPED_DIR / name_or_path if (SHIPPED_DIR / name_or_path / "config.json").exists() else Path(name_or_path)
+    if name_or_path in shipped_models():  # a bare name; anything with a slash is a path, even `./tiny-llada`
+        return load_dir(SHIPPED_DIR / name_or_path, device, dtype)
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        raise DllmError(f"{name_or_path} is a file; give the checkpoint directory that holds it ({path.parent})")
     if not path.is_dir():
         raise DllmError(f"unknown model {name_or_path!r}: give a local checkpoint directory or one of "
                         f"{', '.join(available_models())}")
@@ -103,6 +107,7 @@ def build_model(cfg: ModelConfig, device, dtype: torch.dtype) -> DiffusionLM:
     finally:
         torch.set_default_dtype(previous)
     model.to_empty(device=device)
+    model.tie_head()
     model.inv_freq = rope_frequencies(cfg, model.device)
     return model
 
@@ -119,14 +124,26 @@ def init_random(model: DiffusionLM, seed: int, std: float = 0.02) -> None:
             p.normal_(0.0, std, generator=gen)
 
 
+def read_json(file: Path, fix: str) -> dict:
+    """A JSON object from `file`, or a one-line error that ends with `fix`."""
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise DllmError(f"{file} is not valid JSON ({e}); {fix}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise DllmError(f"cannot read {file} ({type(e).__name__}: {_first_line(e)}); {fix}") from None
+    if not isinstance(data, dict):
+        raise DllmError(f"{file} holds a JSON {type(data).__name__}, not an object; {fix}")
+    return data
+
+
 def read_config(path: Path) -> tuple[dict, object]:
+    """config.json without its null fields (null means unset in Hugging Face configs: our defaults apply) and
+    the architecture module it names."""
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise DllmError(f"{path} has no config.json; point at a Hugging Face model directory")
-    try:
-        hf = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise DllmError(f"{cfg_file} is not valid JSON ({e}); re-download the checkpoint") from None
+    hf = {key: value for key, value in read_json(cfg_file, "re-download the checkpoint").items() if value is not None}
     arch = architecture_of(hf)
     if arch is None:
         supported = ", ".join(dict.fromkeys(a.MODEL_TYPE for a in ARCHITECTURES_BY_NAME.values()))
@@ -146,17 +163,29 @@ def load_dir(path: Path, device="cpu", dtype: torch.dtype | None = None):
         hf = {**hf, "mask_token_id": tokenizer.mask_token_id}
     try:
         cfg = arch.config_from_hf(hf, end_of_turn_id=eot)
-    except (KeyError, ValueError) as e:
-        raise DllmError(f"{path / 'config.json'}: {e if isinstance(e, ValueError) else f'missing field {e}'}") from None
+    except (KeyError, ValueError, TypeError) as e:
+        problem = f"missing field {e}" if isinstance(e, KeyError) else e if isinstance(e, ValueError) else \
+            f"a field has the wrong type ({e})"
+        raise DllmError(f"{path / 'config.json'}: {problem}") from None
     padding = tokenizer.get_vocab().get(DLM_PAD)
     if padding is not None:  # DiffuCoder fills the canvas after its answer with this token: the answer ends there
         cfg = dataclasses.replace(cfg, stop_ids=tuple(sorted({*cfg.stop_ids, padding})))
     if dtype is None:
-        dtype = torch.float32 if torch.device(device).type == "cpu" else parse_dtype(hf.get("torch_dtype", "bfloat16"))
+        dtype = torch.float32 if torch.device(device).type == "cpu" else _checkpoint_dtype(hf, path)
     model = build_model(cfg, device, dtype)
     load_weights(model, path, arch.WEIGHT_NAMES)
     model.generation_defaults = read_generation_config(path)
     return model.eval(), tokenizer
+
+
+def _checkpoint_dtype(hf: dict, path: Path) -> torch.dtype:
+    """The float type config.json names (`dtype` since transformers 4.56, `torch_dtype` before), else bf16."""
+    name = hf.get("dtype") or hf.get("torch_dtype") or "bfloat16"
+    try:
+        return parse_dtype(name)
+    except DllmError:
+        raise DllmError(f"{path / 'config.json'} names dtype {name!r}; pass --dtype float32, bfloat16 or "
+                        f"float16") from None
 
 
 # generation_config.json key -> `dllm.generate` keyword (the HF name for the answer length, LLaDA's for the rest)
@@ -170,10 +199,7 @@ def read_generation_config(path: Path) -> dict[str, int | bool]:
     file = path / "generation_config.json"
     if not file.exists():
         return {}
-    try:
-        hf = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise DllmError(f"{file} is not valid JSON ({e}); fix or delete it") from None
+    hf = read_json(file, "fix or delete it")
     out = {ours: hf[key] for key, ours in GENERATION_KEYS.items() if hf.get(key) is not None}
     if "gen_length" not in out:  # steps only mean something with the length they were chosen for
         out.pop("steps", None)
@@ -207,7 +233,11 @@ def load_tokenizer(path: Path, arch):
                             f"check its tokenizer files") from None
         from transformers import Qwen2Tokenizer
 
-        tok = Qwen2Tokenizer.from_pretrained(str(path))
+        try:
+            tok = Qwen2Tokenizer.from_pretrained(str(path))
+        except Exception as e:
+            raise DllmError(f"cannot load the tokenizer in {path} ({type(e).__name__}: {_first_line(e)}); "
+                            f"check its tokenizer files") from None
     finally:
         logging.set_verbosity(verbosity)
     tok.padding_side = "left"
@@ -242,18 +272,9 @@ def _parameter(ours: str) -> str:
 
 
 def _shard_files(path: Path) -> dict[str, Path]:
-    """Map each checkpoint tensor name to the safetensors file holding it."""
+    """Map each checkpoint tensor name to the safetensors file holding it (a single file wins over an index, as
+    in transformers)."""
     single, index = path / "model.safetensors", path / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise DllmError(f"{index} is corrupt ({e}); re-download the checkpoint") from None
-        files = {name: path / f for name, f in weight_map.items()}
-        missing = sorted({str(f.name) for f in files.values() if not f.exists()})
-        if missing:
-            raise DllmError(f"{path} is missing shard files {', '.join(missing)} named in its index; download them")
-        return files
     if single.exists():
         try:
             with safe_open(str(single), framework="pt") as f:
@@ -261,8 +282,17 @@ def _shard_files(path: Path) -> dict[str, Path]:
         except Exception as e:
             raise DllmError(f"{single} is corrupt ({type(e).__name__}: {_first_line(e)}); "
                             f"re-download the checkpoint") from None
-    if list(path.glob("*.bin")) or list(path.glob("*.pt")):
-        raise DllmError(f"{path} has only pickle weights (*.bin/*.pt); convert them to safetensors")
+    if index.exists():
+        weight_map = read_json(index, "re-download the checkpoint").get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise DllmError(f"{index} is corrupt (no weight_map of tensor name -> file); re-download the checkpoint")
+        files = {name: path / f for name, f in weight_map.items()}
+        missing = sorted({str(f.name) for f in files.values() if not f.is_file()})
+        if missing:
+            raise DllmError(f"{path} is missing shard files {', '.join(missing)} named in its index; download them")
+        return files
+    if any(next(path.glob(pattern), None) for pattern in ("*.bin", "*.pt", "*.pth", "*.ckpt")):
+        raise DllmError(f"{path} has only pickle weights (*.bin/*.pt/*.pth/*.ckpt); convert them to safetensors")
     raise DllmError(f"{path} has no model.safetensors or model.safetensors.index.json; download the weights")
 
 
@@ -273,6 +303,9 @@ def _target(model: DiffusionLM, params: dict, ours: str) -> torch.Tensor:
     name, _, expert = name.partition("@")
     t = params[name][int(expert)] if expert else params[name]
     return t[shard_rows(model.config, shard, t.shape[0])] if shard else t
+
+
+FLOAT_WEIGHTS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 @torch.no_grad()
@@ -286,20 +319,24 @@ def load_weights(model: DiffusionLM, path: Path, table: dict[str, str]) -> None:
         raise DllmError(f"the {model.config.arch} name table fills no {sorted(unfilled)[0]}; this is a bug in dllm")
     files = _shard_files(path)
     missing = sorted(set(names) - set(files))
-    unexpected = sorted(set(files) - set(names))
+    head_copies = {ckpt for ckpt, ours in table.items() if ours == "lm_head.weight"} if model.config.tied_head else set()
+    unexpected = sorted(set(files) - set(names) - head_copies)  # a tied checkpoint may still hold its head
     if missing or unexpected:
         detail = (f"missing {len(missing)} tensors (first: {missing[0]})" if missing else "") + \
                  (("; " if missing else "") + f"unexpected {len(unexpected)} (first: {unexpected[0]})" if unexpected else "")
         raise DllmError(f"{path} does not match config.json: {detail}; is this the right checkpoint?")
     by_file: dict[Path, list[str]] = {}
-    for name, f in files.items():
-        by_file.setdefault(f, []).append(name)
+    for name in names:
+        by_file.setdefault(files[name], []).append(name)
     for f, tensor_names in by_file.items():
         try:
             with safe_open(str(f), framework="pt", device=str(model.device)) as handle:
                 for name in tensor_names:
                     t = handle.get_tensor(name)
                     p = _target(model, params, names[name])
+                    if t.dtype not in FLOAT_WEIGHTS:
+                        raise DllmError(f"{f.name}: {name} is {t.dtype}; dllm loads float32, bfloat16 or float16 "
+                                        f"weights (dequantize the checkpoint first)")
                     if t.shape != p.shape:
                         raise DllmError(f"{f.name}: {name} has shape {tuple(t.shape)}, config.json implies "
                                         f"{tuple(p.shape)}; the config and weights do not belong together")

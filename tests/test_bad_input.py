@@ -11,6 +11,7 @@ import torch
 
 import dllm
 from dllm.cli import main
+from dllm.engine import decoding_lengths
 from dllm.errors import DllmError
 
 TINY = ["--model", "random:llada-tiny"]
@@ -56,7 +57,8 @@ CLI_CASES = [
     (["generate", "COPY: \u00c4B"], "characters the tokenizer does not know: .*'\u00c4'.*remove or replace", None, []),
     (["generate", "x", "--gen-length", "48.5"], "argument --gen-length: invalid int value: '48.5'; see `dllm generate",
      None, []),
-    (["generate", "x", "--gen-length", "48"], r"multiple of block_length \(32\); e.g. gen_length 32 or block_length 48",
+    (["generate", "x", "--gen-length", "48", "--block-length", "32"],
+     r"multiple of block_length \(32\); e.g. gen_length 32 or block_length 48",
      None, []),
     (["generate", "x", "--gen-length", "0"], "must be positive", None, []),
     (["generate", "x", "--gen-length", "32", "--steps", "64"], r"steps \(64\) must be .* between 1 and gen_length", None,
@@ -213,6 +215,12 @@ def test_interrupted_eval_keeps_records_and_names_the_resume_command(tmp_path, c
     assert len(records) == 6 and len({r["id"] for r in records}) == 6
 
 
+@pytest.mark.parametrize("gen_length,block", [(64, 32), (16, 16), (48, 24), (100, 25), (96, 32)])
+def test_gen_length_alone_picks_a_block_that_divides_it(tiny, gen_length, block):
+    """Without block_length, blocks of 32 or the largest size below that divides gen_length (never an error)."""
+    assert decoding_lengths(tiny[0], gen_length)["block_length"] == block
+
+
 def test_generation_config_of_the_model_directory_wins(tmp_path):
     model, tok = dllm.load("random:llada-tiny")
     dllm.save_pretrained(model, tok, tmp_path)
@@ -227,6 +235,11 @@ def test_generation_config_of_the_model_directory_wins(tmp_path):
     assert "steps" not in dllm.load(str(tmp_path))[0].generation_defaults  # not applied to our 64 tokens
     (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 16, "steps": 8}))
     assert dllm.load(str(tmp_path))[0].generation_defaults == {"gen_length": 16, "steps": 8}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 12, "block_length": 8}))
+    loaded, tok = dllm.load(str(tmp_path))  # a bad layout from the file: the file is named
+    with pytest.raises(DllmError, match=r"gen_length \(12\) must be a multiple of block_length \(8\).*"
+                                        r"\(gen_length and block_length from the model's generation_config.json\)"):
+        dllm.generate(loaded, tok, ["hi"], chat=False)
     (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": "many"}))
     with pytest.raises(DllmError, match="gen_length must be a positive integer, got 'many'; fix or delete it"):
         dllm.load(str(tmp_path))

@@ -28,17 +28,20 @@ def block_causal(length: int, block: int = BLOCK) -> torch.Tensor:
     return blocks[None, :] <= blocks[:, None]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """transformers' Qwen3 with random weights and our SDAR loaded from the same checkpoint."""
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def reference(tmp_path_factory, request):
+    """transformers' Qwen3 with random weights and our SDAR loaded from the same checkpoint; tied: the head is the
+    embedding matrix and the checkpoint has no lm_head (SDAR-1.7B, as Qwen3-1.7B)."""
+    tied = request.param
     cfg = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=1e6,
-                      tie_word_embeddings=False, attention_bias=False, attn_implementation="sdpa")
+                      tie_word_embeddings=tied, attention_bias=False, attn_implementation="sdpa")
     ref = Qwen3ForCausalLM(cfg)
     _randomize(ref)
-    hf = sdar.hf_config(PRESETS["sdar-tiny"])
+    hf = {**sdar.hf_config(PRESETS["sdar-tiny"]), "tie_word_embeddings": tied}
+    state = {k: v for k, v in ref.state_dict().items() if not (tied and k == "lm_head.weight")}
     path = tmp_path_factory.mktemp("sdar")
-    _write_checkpoint(path, hf, ref.state_dict())
+    _write_checkpoint(path, hf, state)
     model = DiffusionLM(sdar.config_from_hf(hf))
     load_weights(model, path, sdar.WEIGHT_NAMES)
     return ref.eval(), model.eval()

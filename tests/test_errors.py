@@ -77,6 +77,90 @@ def test_checkpoint_problems(tmp_path):
     one_line_error(lambda: dllm.load(str(path)), "only pickle weights")
 
 
+@pytest.mark.parametrize("edit,match", [
+    (dict(mask_token_id=500), "mask token id 500 must be a token id below vocab_size 128"),
+    (dict(pad_token_id=-1), "pad token id -1 must be"),
+    (dict(eos_token_id="126"), "eos_token_id must be a token id or a list of them"),
+    (dict(n_heads=0), "n_heads must be an integer >= 1, got 0"),
+    (dict(n_layers="2"), "n_layers must be an integer >= 1, got '2'"),
+    (dict(n_heads=3), "3 attention heads do not split hidden size 64"),
+    (dict(rms_norm_eps="small"), "rms_norm_eps must be a positive number"),
+    (dict(d_model=None), "missing field 'd_model'"),
+    (dict(mlp_hidden_size=None, mlp_ratio=1.5), "intermediate_size must be an integer >= 0, got 96.0"),
+    (dict(rope_scaling={"type": "linear", "factor": 2.0}), "only default RoPE"),
+])
+def test_config_values_are_checked_at_load(tmp_path, edit, match):
+    """A config.json value that would build a broken network stops the load, naming the file and the value."""
+    path = _checkpoint(tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **edit}))
+    one_line_error(lambda: dllm.load(str(path)), "config.json: .*" + match)
+
+
+def test_config_nulls_and_eos_lists_load(tmp_path):
+    """null means unset (our default applies); eos_token_id may be a list: each id stops a row, the first fills."""
+    path = _checkpoint(tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "pad_token_id": None, "rope_theta": None,
+                                                  "eos_token_id": [124, 125]}))
+    cfg = dllm.load(str(path))[0].config
+    assert (cfg.pad_id, cfg.filler_id, cfg.rope_theta) == (124, 124, 10000.0)
+    assert {124, 125} <= set(cfg.stop_ids)
+
+
+@pytest.mark.parametrize("file,content,match", [
+    ("config.json", "[]", "config.json holds a JSON list, not an object"),
+    ("config.json", b"\xff\xfe{", "cannot read .*config.json \\(UnicodeDecodeError"),
+    ("generation_config.json", "null", "generation_config.json holds a JSON NoneType, not an object; fix or delete"),
+])
+def test_malformed_json_files(tmp_path, file, content, match):
+    path = _checkpoint(tmp_path)
+    (path / file).write_bytes(content if isinstance(content, bytes) else content.encode())
+    one_line_error(lambda: dllm.load(str(path)), match)
+
+
+def test_paths_are_paths(tmp_path, monkeypatch):
+    """Only a bare name is a shipped model: `./tiny-llada` is the user's directory; `~` expands; a file is named."""
+    _checkpoint(tmp_path / "tiny-llada")
+    monkeypatch.chdir(tmp_path)
+    assert dllm.load("./tiny-llada")[0].config.mask_id == 127  # the random preset's, not the shipped model's
+    assert dllm.load("tiny-llada")[0].config.mask_id != 127
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert dllm.load("~/tiny-llada")[0].config.mask_id == 127
+    one_line_error(lambda: dllm.load("tiny-llada/config.json"), "is a file; give the checkpoint directory")
+
+
+def test_weights_that_are_not_floats_are_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+    path = _checkpoint(tmp_path)
+    state = load_file(str(path / "model.safetensors"))
+    state["model.transformer.wte.weight"] = state["model.transformer.wte.weight"].to(torch.float8_e4m3fn)
+    save_file(state, str(path / "model.safetensors"))
+    one_line_error(lambda: dllm.load(str(path)), "wte.weight is torch.float8_e4m3fn; dllm loads float32, bfloat16")
+
+
+def test_llada_qkv_bias_round_trips(tmp_path):
+    """LLaDA's include_qkv_bias option: the biases load under their official names and are used."""
+    import dataclasses
+    from dllm.loading import build_model, init_random
+    from dllm.models import PRESETS
+    model = build_model(dataclasses.replace(PRESETS["llada-tiny"], qkv_bias=True), "cpu", torch.float32)
+    init_random(model, seed=0)
+    with torch.no_grad():
+        model.layers[0].qkv_proj.bias.normal_()
+    dllm.save_pretrained(model, None, tmp_path)
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert "model.transformer.blocks.0.k_proj.bias" in f.keys()
+    loaded = build_model(model.config, "cpu", torch.float32)
+    from dllm.loading import load_weights
+    from dllm.models import llada
+    load_weights(loaded, tmp_path, llada.WEIGHT_NAMES)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), model(ids))
+
+
 def test_sharded_checkpoint_loads_and_missing_shard_is_named(tmp_path):
     from safetensors.torch import load_file, save_file
     path = _checkpoint(tmp_path)
@@ -156,3 +240,13 @@ def test_sampler_whose_commits_differ_from_its_verified_draft_is_an_error(tiny):
     one_line_error(lambda: dllm.generate(*tiny, ["ab"], sampler="unfaithful_test", cache="dual", gen_length=16,
                                          block_length=16, stop_early=False),
                    "a sampler returned a verified draft that differs from its commits")
+
+
+def test_corrupt_dream_tokenizer_is_one_line(tmp_path):
+    """Dream's tokenizer falls back to Qwen2Tokenizer (its own class is remote code); that fallback fails in one line."""
+    import shutil
+    from dllm.loading import SHIPPED_DIR
+    path = tmp_path / "dream"
+    shutil.copytree(SHIPPED_DIR / "tiny-dream", path)
+    (path / "tokenizer.json").write_text("{broken")
+    one_line_error(lambda: dllm.load(str(path)), "cannot load the tokenizer in .*check its tokenizer files")

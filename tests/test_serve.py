@@ -91,7 +91,7 @@ BAD = [
     ({"prompt": "copy: ab", "sampler": "thresh"}, "unknown sampler 'thresh'"),
     ({"prompt": "copy: ab", "sampler": "threshold", "threshold": -1}, "threshold"),
     ({"prompt": "copy: ab", "speed": 3}, "unknown parameter 'speed'"),
-    ({"prompt": "copy: ab", "gen_length": 50}, "must be a multiple of block_length"),
+    ({"prompt": "copy: ab", "gen_length": 50, "block_length": 32}, "must be a multiple of block_length"),
     ({"prompt": "copy: " + "a" * 400}, "exceeds the model's context"),
     ({"prompt": "copy: ab", "model": "gpt-4"}, "model 'gpt-4' is not served here"),
     ({"prompt": "copy: ab", "n": 2}, "n must be 1"),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from . import dream
-from .transformer import ModelConfig
+from .transformer import ModelConfig, block_size_of
 
 MODEL_TYPE = "Fast_dLLM_Qwen"
 HF_CLASSES = ("Fast_dLLM_QwenForCausalLM",)
@@ -17,11 +17,8 @@ WEIGHT_NAMES = dream.WEIGHT_NAMES
 
 
 def config_from_hf(hf: dict, end_of_turn_id: int | None = None) -> ModelConfig:
-    if hf.get("use_sliding_window"):
-        raise ValueError("config.json has use_sliding_window=true; this Fast-dLLM v2 implementation needs full "
-                         "block-causal attention")
     cfg = dream.config_from_hf({"mask_token_id": 151665, **hf}, end_of_turn_id)
-    return dataclasses.replace(cfg, arch="fast_dllm_v2", block_size=hf.get("bd_size", 32),
+    return dataclasses.replace(cfg, arch="fast_dllm_v2", block_size=block_size_of(hf, "bd_size", 32),
                                max_length=hf.get("max_position_embeddings", 32768))
 
 

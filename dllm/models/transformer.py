@@ -43,6 +43,29 @@ class ModelConfig:
     block_size: int = 0  # > 0: block-causal attention, a position sees its own block and all earlier ones (SDAR)
     rotary_dim: int = 0  # RoPE on the first this many dims of each head (LLaDA2: 64 of 128); 0: all of them
     moe: MoEConfig | None = None  # feed-forward layers from `moe.dense_layers` on are mixtures of experts
+    tied_head: bool = False  # the LM head is the embedding matrix (`tie_word_embeddings`, small Qwen3 / SDAR)
+
+    def __post_init__(self):
+        """Refuse values that would build a broken network (a config.json with a wrong, zero or null field)."""
+        for name, low in [*((n, 1) for n in ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads",
+                                               "max_length")),
+                          *((n, 0) for n in ("intermediate_size", "head_size", "block_size", "rotary_dim"))]:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if self.n_heads % self.n_kv_heads or (not self.head_size and self.hidden_size % self.n_heads):
+            raise ValueError(f"{self.n_heads} attention heads do not split hidden size {self.hidden_size} or "
+                             f"{self.n_kv_heads} key/value heads evenly")
+        if self.rope_dim % 2 or self.rope_dim > self.head_dim:
+            raise ValueError(f"the rotary dims ({self.rope_dim}) must be even and at most the head dim {self.head_dim}")
+        for name, value in (("mask token id", self.mask_id), ("pad token id", self.pad_id),
+                            ("eos token id", self.filler_id)):  # stop ids outside the vocabulary never stop a row
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < self.vocab_size:
+                raise ValueError(f"the {name} {value!r} must be a token id below vocab_size {self.vocab_size}")
 
     @property
     def head_dim(self) -> int:
@@ -117,6 +140,24 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype) * self.weight
+
+
+def eos_ids(hf: dict, default: int) -> tuple[int, ...]:
+    """`eos_token_id` of a config.json: one id or a list of them (every one ends an answer; the first fills)."""
+    value = hf.get("eos_token_id", default)
+    ids = tuple(value) if isinstance(value, list) else (value,)
+    if not ids or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+        raise ValueError(f"eos_token_id must be a token id or a list of them, got {value!r}")
+    return ids
+
+
+def block_size_of(hf: dict, key: str, default: int | None = None) -> int:
+    """The attention block of a block-causal config.json: a positive integer, or the network is another one."""
+    value = hf.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key} must be a positive integer (the attention block of this block-causal model), "
+                         f"got {value!r}")
+    return value
 
 
 def rope_frequencies(cfg: ModelConfig, device=None) -> Tensor:
@@ -265,7 +306,13 @@ class DiffusionLM(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_head()
         self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
+
+    def tie_head(self) -> None:
+        """Share the embedding matrix with the LM head when the config says so (again after `to_empty`)."""
+        if self.config.tied_head:
+            self.lm_head.weight = self.embed.weight
 
     @property
     def device(self) -> torch.device:
