@@ -3,9 +3,11 @@
 Each program runs under bubblewrap (`bwrap`) in new PID, mount, network, IPC, UTS and cgroup namespaces. Its
 root is empty but for /usr and the Python installation, bound read-only; a private tmpfs of `TMPFS_MB` at /tmp
 is its working directory and the only writable place; `/proc` shows its own PID namespace only; the
-environment is empty; it runs as uid 65534 with no capabilities and no new privileges (as root, bwrap sets up
-the namespaces and `setpriv` drops to 65534; otherwise an unprivileged user namespace maps the caller to 65534
-and forbids further ones). Limits on address space, CPU time, file size and processes apply inside. The
+environment is empty; it runs as uid 65534 with no capabilities and no new privileges in a user namespace that
+forbids further ones (as root, bwrap sets up the namespaces, `setpriv` drops to 65534 and, where 65534 could
+create user namespaces, a second unprivileged bwrap makes that one; otherwise the one unprivileged bwrap maps
+the caller to 65534). A nested user namespace would give a program every capability inside it: mounts, a tmpfs
+past the limits. Limits on address space, CPU time, file size and processes apply inside. The
 wall-clock timeout kills bwrap, whose namespace init then dies and takes every process of the namespace with
 it (setsid or not); the namespace also ends as soon as the program exits. stderr goes to a file capped by the
 file-size limit, so nothing the program leaves behind can hold the scorer.
@@ -81,12 +83,17 @@ sys.addaudithook(guard)
 del guard
 """
 
+# The program runs as a module, not as __main__ (as the HumanEval and MBPP harnesses exec it: a `__main__` block of
+# generated code does not run), and passes only by reaching its end: a sys.exit(0) before the tests is a failure.
+RAN_TO_THE_END = 86
 _RUN = r"""
 sys.argv = ["program.py"]
 with open(PROGRAM) as f:
     source = f.read()
-exec(compile(source, "program.py", "exec"), {"__name__": "__main__"})
-"""
+exec(compile(source, "program.py", "exec"), {"__name__": "program"})
+import os
+os._exit(%d)
+""" % RAN_TO_THE_END
 
 
 @dataclass(frozen=True)
@@ -112,8 +119,9 @@ def _bwrap_command(program_dir: str) -> list[str]:
             cmd += ["--symlink", os.readlink(top), top]
         elif os.path.isdir(top):
             cmd += ["--ro-bind", top, top]
-    for folder in folders:
-        cmd += ["--ro-bind", folder, folder]
+    for folder in folders:  # its parents searchable, not listable, by the program (bwrap would copy /root 0700)
+        parents = [str(p) for p in reversed(Path(folder).parents) if str(p) != "/"]
+        cmd += [arg for p in parents for arg in ("--perms", "0711", "--dir", p)] + ["--ro-bind", folder, folder]
     cmd += ["--ro-bind", program_dir, "/sandbox", "--proc", "/proc", "--dev", "/dev",
             "--perms", "1777", "--size", str(TMPFS_MB << 20), "--tmpfs", "/tmp", "--chdir", "/tmp", "--clearenv",
             "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp", "--setenv", "TMPDIR", "/tmp",
@@ -122,10 +130,26 @@ def _bwrap_command(program_dir: str) -> list[str]:
         setpriv = shutil.which("setpriv", path="/usr/bin:/bin")
         if setpriv is None:
             raise DllmError("the sandbox needs setpriv (util-linux) to drop root privileges; install util-linux")
-        return cmd + ["--", setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
-                      "--inh-caps=-all", "--bounding-set=-all", "--", python]
+        drop = ["--", setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--inh-caps=-all",
+                "--bounding-set=-all", "--"]
+        if not _nobody_can_unshare_users(setpriv):
+            return cmd + drop + [python]
+        bwrap = os.path.realpath(shutil.which("bwrap"))  # a second, unprivileged bwrap forbids user namespaces
+        cmd += [] if bwrap.startswith("/usr/") else ["--ro-bind", bwrap, bwrap]
+        cmd += drop + [bwrap, "--dev-bind", "/", "/"]
     return cmd + ["--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY), "--disable-userns",
                   "--cap-drop", "ALL", "--", python]
+
+
+@functools.cache
+def _nobody_can_unshare_users(setpriv: str) -> bool:
+    """Whether an unprivileged process (uid 65534) may create a user namespace on this host."""
+    unshare = shutil.which("unshare", path="/usr/bin:/bin")
+    if unshare is None:
+        return True  # assume it can: the nested bwrap then forbids it (or fails the start-up check)
+    probe = [setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--", unshare, "--user", "true"]
+    return subprocess.run(probe, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL).returncode == 0
 
 
 @functools.cache
@@ -133,7 +157,7 @@ def isolation_problem() -> str | None:
     """Why programs cannot be isolated here (None when they can): bwrap missing, or failing to start."""
     if shutil.which("bwrap") is None:
         return "bubblewrap (bwrap) is not installed"
-    outcome = _run_isolated("import sys; sys.exit(0 if sys.version_info else 1)", 10.0, MEMORY_MB)
+    outcome = _run_isolated("import sys", 10.0, MEMORY_MB)
     return None if outcome.passed else f"bwrap cannot start a sandbox here ({outcome.detail})"
 
 
@@ -146,7 +170,7 @@ def check(unsafe: bool = False) -> None:
 
 def run_python(source: str, timeout: float = TIMEOUT_SECONDS, memory_mb: int = MEMORY_MB,
                unsafe: bool = False) -> Outcome:
-    """Run `source` as a program; it passes when it exits with status 0 within `timeout` seconds."""
+    """Run `source` as a program; it passes when it runs to its end within `timeout` seconds."""
     check(unsafe)
     return _run_guarded(source, timeout, memory_mb) if unsafe else _run_isolated(source, timeout, memory_mb)
 
@@ -188,10 +212,10 @@ def _wait(cmd: list[str], cwd: str | None, env: dict[str, str], timeout: float) 
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             return Outcome(False, "timeout", f"no exit within {timeout:g} s")
-        if proc.returncode == 0:
+        if proc.returncode == RAN_TO_THE_END:
             return Outcome(True, "passed", "")
         err.seek(max(0, err.seek(0, os.SEEK_END) - STDERR_TAIL))
         lines = err.read().decode(errors="replace").strip().splitlines()
     reason = lines[-1] if lines else f"killed by signal {-proc.returncode}" if proc.returncode < 0 else \
-        f"exit status {proc.returncode}"
+        f"exit status {proc.returncode} before the end of the program"
     return Outcome(False, "failed", reason[:300])

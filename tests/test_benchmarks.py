@@ -74,11 +74,15 @@ def test_code_extraction_runs_the_tests():
     assert score(he, he.gold)["pass@1"][1]
     assert not score(he, "    return False\n")["pass@1"][1]
     assert not score(he, he.gold.replace("return True", "return False"))["pass@1"][1]
+    assert not score(he, "    return False\nimport os\nos._exit(0)\n")["pass@1"][1]  # exits before the tests
     whole = he.prompt + he.gold  # a chat answer with the whole function in a fenced block
     assert score(he, f"Here it is:\n```python\n{whole}```\nDone.")["pass@1"][1]
     mb = _items("mbpp")[0]
     assert get_task("mbpp").score(mb, f"{mb.gold}\n[DONE]\nrubbish that does not parse(")["pass@1"][1]
     assert not get_task("mbpp").score(mb, "def unrelated():\n    pass\n[DONE]")["pass@1"][1]
+    wrong_with_main = "```python\nimport sys\ndef remove_Occ(s, ch):\n    return s\nif __name__ == '__main__':\n" \
+                      "    sys.exit(0)\n```"
+    assert not get_task("mbpp").score(mb, wrong_with_main)["pass@1"][1]
 
 
 def test_few_shot_prompts():

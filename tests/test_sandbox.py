@@ -33,6 +33,19 @@ def test_passing_and_failing_programs(unsafe):
     assert not failed.passed and failed.status == "failed" and "wrong sum" in failed.detail
 
 
+@pytest.mark.parametrize("exit", ["import sys\nsys.exit(0)", "import os\nos._exit(0)", "raise SystemExit"])
+def test_a_program_that_exits_before_its_end_fails(unsafe, exit):
+    """Generated code that exits with status 0 before the tests appended to it has not passed them."""
+    outcome = run_python(f"{exit}\nassert False, 'the tests'", unsafe=unsafe)
+    assert (outcome.passed, outcome.detail) == (False, "exit status 0 before the end of the program")
+
+
+def test_a_main_block_of_generated_code_does_not_run(unsafe):
+    """As in the HumanEval / MBPP harnesses: `if __name__ == "__main__": unittest.main()` stays out of the way."""
+    program = "import unittest\nif __name__ == '__main__':\n    unittest.main()\nassert 1 + 1 == 2"
+    assert run_python(program, unsafe=unsafe).passed
+
+
 def test_infinite_loop_is_killed_at_the_timeout(unsafe):
     start = time.perf_counter()
     outcome = run_python("while True:\n    pass", timeout=1, unsafe=unsafe)
@@ -90,13 +103,12 @@ def _escapes(host, listener_port):
         "read /etc/shadow": "print(open('/etc/shadow').read()[:1])",
         "read the parent's environ": textwrap.dedent("""\
             import os
-            for pid in [p for p in os.listdir('/proc') if p.isdigit()]:
+            def leaks(pid):
                 try:
-                    if b'DLLM_PARENT_SECRET' in open(f'/proc/{pid}/environ', 'rb').read():
-                        raise SystemExit(0)
+                    return b'DLLM_PARENT_SECRET' in open(f'/proc/{pid}/environ', 'rb').read()
                 except OSError:
-                    pass
-            raise SystemExit(1)"""),
+                    return False
+            assert any(leaks(pid) for pid in os.listdir('/proc') if pid.isdigit())"""),
         "see the scorer's process": f"import os\nos.kill({parent_pid}, 0)",
         "kill the scorer": f"import os, signal\nos.kill({parent_pid}, signal.SIGTERM)",
         "tcp to 127.0.0.1": f"import socket\nsocket.create_connection(('127.0.0.1', {listener_port}), timeout=2)",
@@ -104,6 +116,9 @@ def _escapes(host, listener_port):
         "write under /usr": "open('/usr/dllm-escape', 'w')",
         "write the python installation": f"open({os.path.join(os.path.realpath(sys.base_prefix), 'dllm-escape')!r}, 'w')",
         "become root": "import os\nos.setuid(0)",
+        "a user namespace of its own (every capability in it)":
+            "import ctypes\nassert ctypes.CDLL(None).unshare(0x10000000 | 0x20000) == 0",
+        "any effective capability": "assert int(open('/proc/self/status').read().split('CapEff:')[1].split()[0], 16)",
         "root uid": "import os\nassert os.getuid() == 0 or os.geteuid() == 0",
         "see the home folders": "import os\nassert os.listdir('/root') or os.listdir('/home')",
         "symlink to a host file": f"import os\nos.symlink({keep!r}, 'link')\nassert open('link').read() == 'precious'",
