@@ -287,11 +287,30 @@ def _serve_setup(args):
     return model, tok, defaults
 
 
+def _check_port(host: str, port: int) -> None:
+    """A one-line error now, not after loading the model, for a port out of range or taken."""
+    import socket
+
+    if not 0 <= port <= 65535:
+        raise DllmError(f"--port must be between 0 and 65535, got {port}")
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as e:
+        reason = os.strerror(e.errno) if e.errno else str(e)
+        raise DllmError(f"cannot listen on {host}:{port} ({reason}); pick another --port or --host") from None
+
+
 def _serve(args) -> int:
     from .serve import Engine, create_app, server
 
+    _check_port(args.host, args.port)
     model, tok, defaults = _serve_setup(args)
     engine = Engine(model, tok, args.name or args.model, defaults, args.max_batch, args.compile)
+    try:  # the defaults on a one-token prompt: what would fail every request fails now
+        engine.job({"prompt": [model.config.filler_id]}, chat=False)
+    except DllmError as e:
+        raise DllmError(f"the server's defaults cannot answer any request: {e}") from None
     server(create_app(engine), args.host, args.port, args.shutdown_timeout, engine).run()
     return 0
 

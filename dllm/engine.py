@@ -117,13 +117,22 @@ class Canvas:
                    torch.tensor(cfg.stop_ids, device=device))
 
 
-def check_int(name: str, value: Any, minimum: int | None = None) -> int:
+def check_int(name: str, value: Any, minimum: int | None = None, maximum: int | None = None) -> int:
     """`value` as an int (a bool, float or string is a one-line error naming `name`)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise DllmError(f"{name} must be an integer, got {value!r}")
     if minimum is not None and value < minimum:
         raise DllmError(f"{name} must be at least {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise DllmError(f"{name} must be at most {maximum}, got {value}")
     return value
+
+
+MAX_SEED = 2**63 - 1  # torch.Generator seeds are 64-bit
+
+
+def check_seed(seed: Any) -> int:
+    return check_int("seed", seed, 0, MAX_SEED)
 
 
 def check_lengths(gen_length: int, block_length: int, steps: int | None) -> int:
@@ -769,7 +778,7 @@ def _prepare(model: DiffusionLM, tokenizer, prompts, sampler, cache, gen_length,
     sampler, cache = split_params(sampler, default_cache(model) if cache is None else cache, params, sampler_args,
                                   cache_args)
     lengths = decoding_lengths(model, gen_length, block_length, steps)
-    check_int("seed", seed)
+    check_seed(seed)
     for name, flag in flags.items():
         if not isinstance(flag, bool):
             raise DllmError(f"{name} must be True or False, got {flag!r}")

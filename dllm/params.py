@@ -122,7 +122,7 @@ class Registry:
         return add
 
     def get(self, name: str) -> type[Params]:
-        if name not in self.classes:
+        if not isinstance(name, str) or name not in self.classes:
             raise DllmError(f"unknown {self.kind} {name!r}; choose one of {', '.join(self.classes)} "
                             f"(`dllm list {self.kind}s` shows their parameters)")
         return self.classes[name]

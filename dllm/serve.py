@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from .engine import (Batch, Canvas, answer_text, check_int, check_policies, decoding_lengths, encode_prompts,
-                     lengths_for_answer, split_params)
+from .engine import (Batch, Canvas, answer_text, check_int, check_policies, check_seed, decoding_lengths,
+                     encode_prompts, lengths_for_answer, split_params)
 from .errors import DllmError
 
 OPENAI_FIELDS = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "seed", "stream",
@@ -95,6 +95,11 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+def _stop_start(text: str, stops: list[str]) -> int:
+    """The length of the longest end of `text` that begins one of `stops` (0 if none)."""
+    return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+
+
 class Engine:
     """The decode loop's driver: admits waiting jobs between blocks, runs blocks, sends each job its new text."""
 
@@ -155,7 +160,7 @@ class Engine:
         layout = {k: body.get(k, d.get(k)) for k in LAYOUT_FIELDS}
         lengths = lengths_for_answer(decoding_lengths(self.model, **layout), max_tokens)
         lengths = decoding_lengths(self.model, **lengths)  # validated again after rounding
-        seed = check_int("seed", body.get("seed", d["seed"]))
+        seed = check_seed(body.get("seed", d["seed"]))
         Canvas.check(self.model, [ids], lengths["gen_length"])  # prompt too long etc.
         check_policies(self.model, sampler, cache, self.compile)
         sampler_key = (sampler.name, json.dumps(sampler.config(), sort_keys=True, default=str))
@@ -279,8 +284,9 @@ class Engine:
                                                    callback=self._step)
                         self.key = job.key
                     row = batch.add(job.ids, job.lengths["gen_length"], job.seed)
-                except DllmError as e:  # checked in `job` already; never leave a request unanswered
-                    job.send("error", status=400, message=str(e))
+                except Exception as e:  # checked in `job` already; this request alone gets any error left
+                    job.send("error", status=400 if isinstance(e, DllmError) else 500,
+                             message=str(e) if isinstance(e, DllmError) else f"{type(e).__name__}: {e}")
                     continue
                 self.jobs[row] = job
             self.metrics.queue.set(len(self.waiting))
@@ -321,6 +327,8 @@ class Engine:
         hits = [i for i in (text.find(s) for s in job.stop) if i >= 0]
         text = text[:min(hits)] if hits else text
         done = finished or bool(hits) or job.max_tokens is not None and len(ids) >= job.max_tokens
+        if not done:  # text that may begin a stop string waits for the next block
+            text = text[:len(text) - _stop_start(text, job.stop)]
         if done or not text.endswith("\ufffd"):  # a character split between blocks waits for its end
             delta, job.text = text[len(job.text):], text
             if delta and job.stream:
@@ -363,12 +371,15 @@ def create_app(engine: Engine):
         return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
     async def answer(request: Request, chat: bool):
+        raw = await _read_body(request)
+        if raw is None:
+            return error(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB; send a shorter prompt")
         try:
-            body = json.loads(await request.body() or b"null")
+            body = json.loads(raw or b"null")
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             return error(400, f"the request body is not valid JSON ({e}); send a JSON object")
         try:
-            job = engine.job(body, chat)
+            job = await asyncio.to_thread(engine.job, body, chat)  # tokenizing a long prompt: off the event loop
         except DllmError as e:
             engine.metrics.requests.labels("chat" if chat else "completions", "bad_request").inc()
             return error(400, str(e))
@@ -418,6 +429,22 @@ def create_app(engine: Engine):
         return Response(engine.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
+
+
+MAX_BODY_BYTES = 4 << 20  # far past any prompt a model's context holds
+
+
+async def _read_body(request) -> bytes | None:
+    """The request body, or None past `MAX_BODY_BYTES` (read no further)."""
+    size = request.headers.get("content-length", "")
+    if size.isdigit() and int(size) > MAX_BODY_BYTES:
+        return None
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            return None
+    return bytes(body)
 
 
 async def _next_event(job: Job, request) -> dict | None:

@@ -89,6 +89,9 @@ def test_mixed_parameters_at_once_each_equal_alone(server, tiny):
 
 BAD = [
     ({"prompt": "copy: ab", "sampler": "thresh"}, "unknown sampler 'thresh'"),
+    ({"prompt": "copy: ab", "sampler": ["threshold"]}, "unknown sampler ['threshold']"),
+    ({"prompt": "copy: ab", "cache": {}}, "unknown cache {}"),
+    ({"prompt": "copy: ab", "seed": 2**64}, "seed must be at most 9223372036854775807"),
     ({"prompt": "copy: ab", "sampler": "threshold", "threshold": -1}, "threshold"),
     ({"prompt": "copy: ab", "speed": 3}, "unknown parameter 'speed'"),
     ({"prompt": "copy: ab", "gen_length": 50, "block_length": 32}, "must be a multiple of block_length"),
@@ -118,6 +121,14 @@ def test_bad_chat_and_json_get_400(server):
     assert post(server.url + "/v1/chat/completions", {"messages": "hi"})[0] == 400
     status, answer = post(server.url + "/v1/completions", b"{oops")
     assert status == 400 and "not valid JSON" in answer["error"]["message"]
+    host, port = server.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)  # a 5 MiB body is refused before it is read
+    conn.putrequest("POST", "/v1/completions")
+    conn.putheader("Content-Length", str(5 << 20))
+    conn.endheaders()
+    response = conn.getresponse()
+    assert response.status == 413 and "larger than 4 MiB" in json.loads(response.read())["error"]["message"]
+    conn.close()
 
 
 def sse(url, body):
@@ -143,6 +154,17 @@ def test_stream_sends_each_block_then_reason_usage_and_done(server, tiny):
     assert len(parts) == 2 and all(parts)
     assert "".join(parts) == dllm.generate(model, tok, prompt).texts[0]
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop" and chunks[-1]["usage"]["completion_tokens"] == 45
+
+
+def test_a_stop_string_split_between_blocks_is_never_streamed(server):
+    """Blocks of 4 put "cd" of "#### abcdefgh" across two blocks: the stream holds "c" back until it knows."""
+    body = {**chat("copy: abcdefgh"), "stop": ["cd"], "block_length": 4, "gen_length": 32}
+    conn, events = sse(server.url, body)
+    chunks = [json.loads(d) for d in list(events)[:-1]]
+    conn.close()
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    status, whole = post(server.url + "/v1/chat/completions", body)
+    assert streamed == text_of(whole) == "#### ab"
 
 
 def test_models_health_and_metrics(server):
@@ -183,6 +205,22 @@ def test_a_client_that_disconnects_stops_its_row(server):
         time.sleep(0.01)
     assert job.cancelled and cancelled() == before + 1
     assert row.decoded <= 2 * 32  # it left the batch within a block of the disconnect, not after 7 blocks
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--gen-length", "100000"], "the server's defaults cannot answer any request: prompt (1 tokens) + gen_length"),
+    (["--port", "99999"], "--port must be between 0 and 65535"),
+    (["--port", "{taken}"], "cannot listen on 127.0.0.1:{taken} (Address already in use); pick another --port"),
+])
+def test_serve_refuses_to_start_what_cannot_answer(args, message):
+    """Defaults that fail every request, a bad or taken port: one error line before listening, exit 2."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = str(taken.getsockname()[1])
+        args = [a.replace("{taken}", port) for a in args]
+        proc = subprocess.run([sys.executable, "-m", "dllm.cli", "serve", *args], capture_output=True, text=True,
+                              timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
+    assert message.replace("{taken}", port) in proc.stderr
 
 
 def test_sigterm_finishes_requests_in_flight_and_refuses_new_ones(tiny, tmp_path):
