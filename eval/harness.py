@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from dllm.engine import (check_compile, check_int, decoding_lengths, default_cache, encode_prompts, generate,
-                         split_params)
+from dllm.engine import (check_int, check_policies, check_seed, decoding_lengths, default_cache, encode_prompts,
+                         generate, split_params)
 from dllm.errors import DllmError
 
 from .tasks import Item, get_task
@@ -58,7 +58,8 @@ def evaluate(model, tokenizer, task: str, sampler: str | Any = "low_confidence",
     if not gold:
         sampler, cache = split_params(sampler, default_cache(model) if cache is None else cache, {}, sampler_args,
                                       cache_args)
-        check_compile(cache, compile)
+        check_policies(model, sampler, cache, compile)
+        check_seed(seed)
         chat = getattr(tokenizer, "chat_template", None) is not None if chat is None else chat
         gen_length, block_length, steps = decoding_lengths(model, gen_length, block_length, steps).values()
         _check_context(model, tokenizer, items, chat, gen_length, shots)
@@ -202,15 +203,20 @@ def _write_records(path: Path, records: list[dict]) -> None:
 
 
 def _check_config(out_dir: Path, config: dict) -> None:
-    """Resuming is only allowed with the configuration that wrote the records (the limit may change)."""
+    """Resuming is only allowed with the configuration that wrote the records (the limit may change; steps
+    left to their default equal steps = gen_length); a directory without records takes any configuration."""
     path = out_dir / "config.json"
-    if not path.exists():
+    if not path.exists() or not _read_records(out_dir / "results.jsonl"):
         return
     old = json.loads(path.read_text())
-    changed = sorted(k for k in set(old) | set(config) if k != "limit" and old.get(k) != config.get(k))
+
+    def value(cfg: dict, key: str):
+        return cfg.get("gen_length") if key == "steps" and cfg.get(key) is None else cfg.get(key)
+
+    changed = sorted(k for k in set(old) | set(config) if k != "limit" and value(old, k) != value(config, k))
     if changed:
-        raise DllmError(f"{out_dir} holds results of another configuration ({changed[0]} differs); "
-                        f"use a new --output directory")
+        raise DllmError(f"{out_dir} holds results of another configuration ({', '.join(changed)} "
+                        f"{'differs' if len(changed) == 1 else 'differ'}); use a new --output directory")
 
 
 def _environment(model, processes: int) -> dict[str, Any]:

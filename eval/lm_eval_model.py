@@ -10,8 +10,9 @@ imported, so this module registers `dllm` first. From Python: `import dllm.eval.
 name.
 
 - generate_until: the answer canvas is the request's `max_gen_toks` rounded up to whole blocks (else
-  `gen_length`), the answer cut at `max_gen_toks` tokens and at the first `until` string. Requests are decoded
-  longest first in batches of `batch_size`.
+  `gen_length`), the answer cut at `max_gen_toks` tokens and at the first `until` string; a context longer
+  than the model's context leaves room for the canvas by losing its start (as lm-eval's HF models). Requests
+  are decoded longest first in batches of `batch_size`.
 - loglikelihood: the Monte Carlo ELBO of `dllm.likelihood` with `mc_num` draws (default 128, LLaDA's setting;
   cost: `mc_num` rows per continuation, `mc_batch_size` per forward), `cfg` guidance (default 0) and the greedy
   check (`greedy_check`, one forward per continuation token; off saves them and reports False).
@@ -40,6 +41,14 @@ def _device(device: str | None) -> str:
         print(f"note: device {device!r} asked for but no GPU is available; running on the CPU", file=sys.stderr)
         return "cpu"
     return device or "cpu"
+
+
+def _number(name: str, value, kind: type):
+    """`value` (lm-eval passes --model_args as text) as an int or float, or a one-line error naming `name`."""
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        raise DllmError(f"{name} must be a number, got {value!r}") from None
 
 
 class DllmLM(LM):
@@ -76,9 +85,9 @@ class DllmLM(LM):
             self.accelerator = Accelerator(cpu=self._device.type == "cpu")  # lm-eval gathers through it
         self.decoding = dict(**decoding_lengths(self.model, gen_length, block_length, steps), seed=seed)
         self.batch_size = int(batch_size)
-        self.likelihood = dict(mc_num=check_int("mc_num", int(mc_num), 1),
-                               batch_size=check_int("mc_batch_size", int(mc_batch_size), 1),
-                               cfg_scale=float(cfg), seed=seed)
+        self.likelihood = dict(mc_num=check_int("mc_num", _number("mc_num", mc_num, int), 1),
+                               batch_size=check_int("mc_batch_size", _number("mc_batch_size", mc_batch_size, int), 1),
+                               cfg_scale=_number("cfg", cfg, float), seed=seed)
         self.greedy_check = str(greedy_check).lower() not in ("false", "0", "no")
 
     def _canvas(self, max_gen_toks: int | None) -> dict:
@@ -96,7 +105,7 @@ class DllmLM(LM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         import dllm
-        from dllm.engine import answer_text
+        from dllm.engine import answer_text, encode_prompts
 
         self._log_share("generate_until", requests)
 
@@ -110,7 +119,9 @@ class DllmLM(LM):
             lengths = self._canvas(max_gen_toks)
             for start in range(0, len(members), self.batch_size):
                 batch = members[start:start + self.batch_size]
-                out = dllm.generate(self.model, self.tokenizer, [requests[i].args[0] for i in batch], self.sampler,
+                room = self.model.config.max_length - lengths["gen_length"]
+                contexts = encode_prompts(self.tokenizer, [requests[i].args[0] for i in batch], chat=False)
+                out = dllm.generate(self.model, self.tokenizer, [ids[-room:] if 0 < room < len(ids) else ids for ids in contexts], self.sampler,
                                     self.cache, chat=False, **lengths)  # lm-eval applies the chat template itself
                 for i, ids in zip(batch, out.token_ids):
                     ids = ids[:int(max_gen_toks)] if max_gen_toks else ids

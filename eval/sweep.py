@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from dllm.engine import default_cache, split_params
+from dllm.engine import check_policies, default_cache, split_params
 from dllm.errors import DllmError
 
 from .harness import evaluate
@@ -71,13 +71,18 @@ def run_sweep(model, tokenizer, task: str, points: list[str], output: str | Path
 
     output = Path(output)
     cache = default_cache(model) if cache is None else cache
-    rows = []
-    for spec in points:
+    policies = []
+    for spec in points:  # every point checked before the first is evaluated
         point = parse_point(spec)
         point_sampler = point.pop("sampler", sampler)
         point_cache = point.pop("cache", cache)
         s, c = split_params(point_sampler, point_cache, point, sampler_args if point_sampler == sampler else None,
                             cache_args if point_cache == cache else None)
+        if model is not None:
+            check_policies(model, s, c, eval_args.get("compile", False))
+        policies.append((spec, s, c))
+    rows = []
+    for spec, s, c in policies:
         summary = evaluate(model, tokenizer, task, s, c, output=output / _slug(spec), **eval_args)
         rows.append({"point": spec, "accuracy": 100 * summary["accuracy"], "tpf": summary["tpf"],
                      "nfe_mean": summary["nfe_mean"], "tokens_per_second": summary["tokens_per_second"],

@@ -52,6 +52,16 @@ def test_sweep_command_writes_table_aup_and_plot(tmp_path, capsys):
     assert (tmp_path / "pareto.png").stat().st_size > 0
 
 
+def test_a_bad_sweep_point_stops_before_the_first_is_evaluated(tmp_path, capsys):
+    args = ["eval", "--task", "synthetic", "--model", "random:llada-tiny", "--gen-length", "8", "--block-length",
+            "8", "--limit", "2", "--output", str(tmp_path)]
+    for bad, message in [("sampler=nope", "unknown sampler 'nope'"),
+                         ("sampler=low_confidence,cache=dkv_greedy", "needs a sampler whose next commits")]:
+        assert main(args + ["--sweep", "sampler=threshold", "--sweep", bad]) == 2
+        assert message in capsys.readouterr().err
+        assert not list(tmp_path.iterdir())  # nothing evaluated
+
+
 def test_sweep_without_matplotlib_says_how_to_get_the_plot(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # import matplotlib raises ImportError
     args = ["eval", "--task", "synthetic", "--model", "random:llada-tiny", "--gen-length", "8", "--block-length",

@@ -155,8 +155,20 @@ def test_killed_run_resumes_without_losing_or_repeating(tmp_path):
     assert [r["output"] for r in records] == [r["output"] for r in whole]
     assert all(r["seconds"] == before[r["id"]]["seconds"] for r in records if r["id"] in before)  # not redone
     assert resumed["accuracy"] == reference["accuracy"] and resumed["n"] == 12
-    with pytest.raises(DllmError, match="another configuration"):
+    with pytest.raises(DllmError, match=r"another configuration \(gen_length, steps differ\)"):
         evaluate(*model, "synthetic", output=out, **{**args, "gen_length": 16})
+    assert evaluate(*model, "synthetic", output=out, **{**args, "steps": 8})["n"] == 12  # the default, said
+
+
+def test_a_directory_without_records_takes_a_new_configuration(tmp_path):
+    model = dllm.load("random:llada-tiny")
+    args = dict(gen_length=8, block_length=8, limit=2, output=tmp_path)
+    with pytest.raises(DllmError, match="unknown sampler"):
+        evaluate(*model, "synthetic", sampler="nope", **args)
+    with pytest.raises(DllmError, match="seed must be at most"):  # before its config.json is written
+        evaluate(*model, "synthetic", seed=2**64, **args)
+    (tmp_path / "config.json").write_text(json.dumps({"task": "synthetic", "gen_length": 4}))  # an aborted run's
+    assert evaluate(*model, "synthetic", **args)["n"] == 2
 
 
 def test_two_process_accelerate_run_equals_one_process(tmp_path):
@@ -189,6 +201,13 @@ def test_lm_eval_adapter_generate_until():
     requests = [SimpleNamespace(args=(p, {"until": [stop], "max_gen_toks": 16})) for p in prompts]
     assert lm.generate_until(requests) == [t.split(stop)[0] for t in full]
     assert any(stop in t for t in full)
+    long = "copy: " + "ab" * 300  # past the 512-token context: the start goes, the canvas fits
+    tail = lm.tokenizer(long, add_special_tokens=False)["input_ids"][-(512 - 16):]
+    cut = [SimpleNamespace(args=(long, {"until": [], "max_gen_toks": 16}))]
+    assert lm.generate_until(cut) == dllm.generate(lm.model, lm.tokenizer, [tail], gen_length=16, block_length=8,
+                                                   chat=False).texts
+    with pytest.raises(DllmError, match="cfg must be a number, got 'x'"):
+        DllmLM(model="random:llada-tiny", cfg="x", device="cpu")
     registry = pytest.importorskip("lm_eval.api.registry")
     assert registry.get_model("dllm") is DllmLM
 
