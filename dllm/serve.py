@@ -250,6 +250,7 @@ class Engine:
                 message = str(error) if isinstance(error, DllmError) else f"{type(error).__name__}: {error}"
                 for job in self.jobs.values():
                     job.send("error", status=400 if isinstance(error, DllmError) else 500, message=message)
+                    self.metrics.requests.labels(self._endpoint(job), "error").inc()
                 self.jobs, self.batch = {}, None
 
     def _admit(self) -> None:
@@ -287,6 +288,7 @@ class Engine:
                 except Exception as e:  # checked in `job` already; this request alone gets any error left
                     job.send("error", status=400 if isinstance(e, DllmError) else 500,
                              message=str(e) if isinstance(e, DllmError) else f"{type(e).__name__}: {e}")
+                    self.metrics.requests.labels(self._endpoint(job), "error").inc()
                     continue
                 self.jobs[row] = job
             self.metrics.queue.set(len(self.waiting))

@@ -260,3 +260,13 @@ def test_chat_keeps_the_conversation_unless_the_model_answers_single_turns(tmp_p
         seen.clear()
         assert cli(["chat", *flags], capsys, monkeypatch, b"copy: abcd\nreverse: abcd\n")[0] == 0
         assert ("copy: abcd" in seen[1]) == bool(flags) and "reverse: abcd" in seen[1]
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback():
+    """`dllm ... | head`: when the pipe closes, the command stops quietly (exit 141, as a shell reports SIGPIPE)."""
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-m", "dllm.cli", "list", "samplers"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()
+    assert (proc.wait(timeout=120), proc.stderr.read()) == (141, b"")

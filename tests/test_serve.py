@@ -167,6 +167,35 @@ def test_a_stop_string_split_between_blocks_is_never_streamed(server):
     assert streamed == text_of(whole) == "#### ab"
 
 
+def test_a_request_that_fails_to_join_fails_alone(tiny, monkeypatch):
+    """An unexpected error while one request joins the batch answers that request (500, counted), no other."""
+    from dllm import serve
+    add = serve.Batch.add
+
+    def failing_add(self, ids, gen_length, seed):
+        if seed == 13:
+            raise RuntimeError("boom")
+        return add(self, ids, gen_length, seed)
+
+    monkeypatch.setattr(serve.Batch, "add", failing_add)
+    model, tok = tiny
+    with LocalServer(Engine(model, tok, "tiny-llada", DEFAULTS, max_batch=8)) as local:
+        long = {**chat("reverse: hello123"), "gen_length": 128, "ignore_eos": True}
+        answers = {}
+        threads = [threading.Thread(target=lambda k=k, b=b: answers.__setitem__(k, post(
+            local.url + "/v1/chat/completions", b))) for k, b in [("long", long), ("bad", chat("copy: ab", seed=13))]]
+        for t in threads:
+            t.start()
+            time.sleep(0.3)
+        for t in threads:
+            t.join(timeout=120)
+        with urllib.request.urlopen(local.url + "/metrics") as r:
+            metrics = r.read().decode()
+    assert answers["bad"][0] == 500 and "RuntimeError: boom" in answers["bad"][1]["error"]["message"]
+    assert answers["long"][0] == 200
+    assert 'dllm_requests_total{endpoint="chat",outcome="error"} 1.0' in metrics
+
+
 def test_models_health_and_metrics(server):
     with urllib.request.urlopen(server.url + "/v1/models") as r:
         assert json.loads(r.read())["data"][0]["id"] == "tiny-llada"
