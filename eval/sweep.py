@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from dllm.engine import check_policies, default_cache, split_params
+from dllm.engine import check_policies, decoding_lengths, default_cache, generate, split_params
 from dllm.errors import DllmError
 
 from .harness import evaluate
@@ -81,6 +81,10 @@ def run_sweep(model, tokenizer, task: str, points: list[str], output: str | Path
         if model is not None:
             check_policies(model, s, c, eval_args.get("compile", False))
         policies.append((spec, s, c))
+    if model is not None:  # a warm-up decode, so that the first point's tokens/s does not pay for it
+        block = decoding_lengths(model, eval_args.get("gen_length"), eval_args.get("block_length"))["block_length"]
+        generate(model, tokenizer, [[model.config.filler_id]], policies[0][1], policies[0][2], gen_length=block,
+                 block_length=block, chat=False, compile=eval_args.get("compile", False))
     rows = []
     for spec, s, c in policies:
         summary = evaluate(model, tokenizer, task, s, c, output=output / _slug(spec), **eval_args)
