@@ -65,6 +65,7 @@ class Sampler(Params):
     block_local: ClassVar[bool] = True  # decides from the current block alone (state reset per block; no use of
     # prompt_length, nfe or total_steps), so rows at different blocks can share a batch (`dllm serve`)
     edits: ClassVar[bool] = False  # rewrites decoded tokens of the current block (`Commit.edit`, `Commit.again`)
+    commits_past_block: ClassVar[bool] = False  # may commit masks of later blocks (Prophet's early exit)
     temperature: float = param(0.0, "sampling temperature (0 = greedy)", ge=0.0)
 
     def step(self, ctx: StepContext) -> Commit:

@@ -96,6 +96,7 @@ class Prophet(Sampler):
         self._base = SAMPLERS.create(self.base, temperature=self.temperature, **args)
 
     block_local: ClassVar[bool] = False  # looks at the whole answer and counts forwards
+    commits_past_block: ClassVar[bool] = True
 
     def logit_window(self, prompt_length, length, start, end, step):
         return prompt_length, length

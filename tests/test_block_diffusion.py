@@ -149,6 +149,14 @@ def test_full_attention_caches_refuse_block_causal_models(model, cache):
         run(model, PROMPTS, "low_confidence", cache)
 
 
+def test_prophet_is_refused_on_block_causal_models(model):
+    """Prophet's early exit fills later blocks from a forward in which they follow masked blocks, which a
+    block-causal model never saw in training (on tiny-sdar it wrote `#### 321#l eh` for `321olleh`)."""
+    with pytest.raises(DllmError, match=r"sampler 'prophet' commits later blocks from one forward, which a "
+                                        r"block-causal model \(sdar\) predicts only from finished blocks"):
+        run(model, PROMPTS, "prophet", "block")
+
+
 def test_block_layout_errors(model):
     with pytest.raises(DllmError, match=r"block_length \(8\) must equal the model's attention block \(4\)"):
         decode(model, PROMPTS, samplers.SAMPLERS.create("threshold"), caches.CACHES.create("block"), 16, 8)
