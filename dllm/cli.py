@@ -12,7 +12,7 @@ from typing import Any
 from dllm import cache as caches
 from dllm import samplers as samplers_mod
 
-from .engine import decoding_lengths, default_cache
+from .engine import check_plain_text, decoding_lengths, default_cache
 from .errors import DllmError
 
 DEFAULT_MODEL = "tiny-llada"
@@ -139,6 +139,9 @@ def _chat(args) -> int:
     generation_config.json) or --no-history is given."""
     import dllm
 
+    if args.chat is False:
+        raise DllmError("dllm chat always uses the chat template; drop --no-chat (dllm generate --no-chat sends raw "
+                        "text)")
     sampler, cache = _policies(args)
     model, tok = dllm.load(args.model, device=args.device, dtype=args.dtype)
     if getattr(tok, "chat_template", None) is None:
@@ -154,14 +157,19 @@ def _chat(args) -> int:
         line = line.strip()
         if not line:
             break
-        messages = [*messages, {"role": "user", "content": line}] if history else [{"role": "user", "content": line}]
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        answer = dllm.stream(model, tok, text, sampler, cache, **lengths, seed=args.seed, chat=False,
-                             compile=args.compile)
-        for delta in answer:  # each block's text once it is decoded
-            print(delta, end="", flush=True)
+        turn = [*messages, {"role": "user", "content": line}] if history else [{"role": "user", "content": line}]
+        try:  # a line the model cannot take is said, and the conversation goes on without it
+            check_plain_text(tok, line, "this line")
+            text = tok.apply_chat_template(turn, add_generation_prompt=True, tokenize=False)
+            answer = dllm.stream(model, tok, text, sampler, cache, **lengths, seed=args.seed, chat=False,
+                                 compile=args.compile)
+            for delta in answer:  # each block's text once it is decoded
+                print(delta, end="", flush=True)
+        except DllmError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            continue
         print(flush=True)
-        messages.append({"role": "assistant", "content": answer.generation.texts[0]})
+        messages = [*turn, {"role": "assistant", "content": answer.generation.texts[0]}]
     return 0
 
 

@@ -273,12 +273,18 @@ def check_policies(model: DiffusionLM, sampler: Sampler, cache: Cache, compile: 
     if sampler.drafts and not cache.verifies_drafts:
         raise DllmError(f"sampler {sampler.name!r} verifies drafts, which cache {cache.name!r} cannot do "
                         f"without changing its state; use cache none, prefix, dual or (block-causal models) block")
+    if sampler.drafts and getattr(cache, "refresh_every", 0):
+        raise DllmError(f"sampler {sampler.name!r} verifies drafts inside a block between cache refreshes; use "
+                        f"cache {cache.name!r} with refresh_every=0")
     if cache.block_causal_only and not cfg.block_size:
         raise DllmError(f"cache {cache.name!r} is exact only under block-causal attention ({cfg.arch} attends to the "
                         f"whole canvas); use prefix or dual")
     if sampler.edits and not cache.block_fresh:
         raise DllmError(f"sampler {sampler.name!r} rewrites decoded tokens, whose keys and values cache "
                         f"{cache.name!r} keeps; use cache none, prefix, dual or (block-causal models) block")
+    if cfg.block_size and sampler.commits_past_block:
+        raise DllmError(f"sampler {sampler.name!r} commits later blocks from one forward, which a block-causal model "
+                        f"({cfg.arch}) predicts only from finished blocks; use another sampler")
     if cfg.block_size and not cache.block_fresh:
         raise DllmError(f"cache {cache.name!r} chooses rows for full attention; on a block-causal model "
                         f"({cfg.arch}) use cache block (exact), none, prefix or dual")
@@ -438,9 +444,10 @@ class Batch:
             self._saved = False
 
     def answer(self, row: Row) -> list[int]:
-        """`row`'s answer so far: the tokens of its decoded blocks, cut before the first stop token."""
+        """`row`'s answer so far: the tokens of its decoded blocks (of all of them once it has finished: a sampler
+        such as Prophet may fill later blocks early), cut before the first stop token."""
         self._save()
-        ids = row.tokens[len(row.prompt):row.origin + row.decoded].tolist()
+        ids = row.tokens[len(row.prompt):len(row.tokens) if row.finished else row.origin + row.decoded].tolist()
         stops = self.model.config.stop_ids
         return ids[:next((i for i, t in enumerate(ids) if t in stops), len(ids))]
 
@@ -597,18 +604,19 @@ class Batch:
 
 @torch.no_grad()
 def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache: Cache, gen_length: int,
-           block_length: int, steps: int | None = None, seed: int = 0, stop_early: bool = True,
+           block_length: int, steps: int | None = None, seed: int | list[int] = 0, stop_early: bool = True,
            trace: bool = False, profile: bool = False, callback: Callable[[dict], None] | None = None,
            compile: bool = False) -> tuple[Canvas, Stats, list[dict] | None]:
-    """Decode token-id prompts as one fixed batch (every row seeded with `seed`); returns the final canvas,
+    """Decode token-id prompts as one fixed batch (every row seeded with `seed`, or row i with `seed[i]`); returns
+    the final canvas,
     statistics and (optionally) a per-step trace. `profile` times every forward (synchronizing the device) into
     `stats.forward_seconds` by kind: `full` (every canvas row computed), `cached` (the other rows read from the
     cache), `verify` (draft batches). See `Batch` for `callback` and `compile`."""
     steps_per_block = check_lengths(gen_length, block_length, steps)
     Canvas.check(model, prompts, gen_length)  # every prompt's error before any work
     batch = Batch(model, sampler, cache, block_length, steps_per_block, stop_early, trace, profile, callback, compile)
-    for ids in prompts:
-        batch.add(ids, gen_length, seed)
+    for ids, row_seed in zip(prompts, seed if isinstance(seed, list) else [seed] * len(prompts)):
+        batch.add(ids, gen_length, row_seed)
     while batch.running:
         batch.run_block()
     return batch.canvas, batch.finish(), batch.trace
@@ -671,6 +679,17 @@ def _is_int(t) -> bool:
                                                                  and not t.dtype.is_floating_point)
 
 
+def check_plain_text(tokenizer, text: str, what: str) -> None:
+    """Text that goes into the chat template must not hold the tokenizer's special tokens: `<|eot_id|>` typed in
+    a prompt would end the user's turn (a template injection), `<|mdm_mask|>` would be a mask."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}).values()
+    special = [*getattr(tokenizer, "all_special_tokens", []), *(t.content for t in added if t.special)]
+    found = next((s for s in special if s and s in text), None)
+    if found is not None:
+        raise DllmError(f"{what} contains the special token {found!r}, which the chat template would read as a "
+                        f"control token; remove it (chat=False / --no-chat sends raw text as it is)")
+
+
 def _encode_text(tokenizer, text: str, row: int, chat: bool) -> list[int]:
     if not text.strip():
         raise DllmError(f"prompt {row} is empty; give some text")
@@ -679,6 +698,7 @@ def _encode_text(tokenizer, text: str, row: int, chat: bool) -> list[int]:
     except UnicodeEncodeError:
         raise DllmError(f"prompt {row} is not valid UTF-8 text; convert it to UTF-8") from None
     if chat:
+        check_plain_text(tokenizer, text, f"prompt {row}")
         text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                              tokenize=False)
     unk = getattr(tokenizer, "unk_token_id", None)
@@ -730,13 +750,14 @@ def decoding_lengths(model: DiffusionLM, gen_length: int | None = None, block_le
     (`generation_config.json`), else ours (block_length: a block-causal model's attention block). Validated, so a
     bad value fails before any work."""
     own = getattr(model, "generation_defaults", {})
-    from_file = [name for name, given in (("gen_length", gen_length), ("block_length", block_length),
-                                          ("steps", steps)) if given is None and name in own]
+    from_file = [name for name, given in (("gen_length", gen_length), ("block_length", block_length))
+                 if given is None and name in own] + (["steps"] if steps is None and gen_length is None
+                                                      and "steps" in own else [])
     gen_length = own.get("gen_length", DEFAULT_GEN_LENGTH) if gen_length is None else gen_length
     if block_length is None:  # a block-causal model decodes in its attention blocks; others in blocks of 32, or
         # of the largest size below that divides the answer (gen_length 48 alone: blocks of 24)
         block_length = own.get("block_length") or model.config.block_size or _default_block(gen_length)
-    if steps is None:
+    if steps is None and gen_length == own.get("gen_length"):  # the file's steps belong to the file's length
         steps = own.get("steps")
     try:
         check_lengths(gen_length, block_length, steps)
@@ -778,25 +799,30 @@ def _prepare(model: DiffusionLM, tokenizer, prompts, sampler, cache, gen_length,
     sampler, cache = split_params(sampler, default_cache(model) if cache is None else cache, params, sampler_args,
                                   cache_args)
     lengths = decoding_lengths(model, gen_length, block_length, steps)
-    check_seed(seed)
+    for row_seed in seed if isinstance(seed, list) else [seed]:
+        check_seed(row_seed)
     for name, flag in flags.items():
         if not isinstance(flag, bool):
             raise DllmError(f"{name} must be True or False, got {flag!r}")
     ids = encode_prompts(tokenizer, prompts, chat)
+    if isinstance(seed, list) and len(seed) != len(ids):
+        raise DllmError(f"seed is a list of {len(seed)} seeds for {len(ids)} prompts; give one per prompt or one int")
     sampler.prepare(tokenizer)
     return sampler, cache, lengths, ids
 
 
 def generate(model: DiffusionLM, tokenizer, prompts, sampler: str | Sampler = "low_confidence",
              cache: str | Cache | None = None, gen_length: int | None = None, block_length: int | None = None,
-             steps: int | None = None, seed: int = 0, chat: bool | None = None, stop_early: bool = True,
+             steps: int | None = None, seed: int | list[int] = 0, chat: bool | None = None, stop_early: bool = True,
              trace: bool = False, sampler_args: dict[str, Any] | None = None,
              cache_args: dict[str, Any] | None = None, callback: Callable[[dict], None] | None = None,
              compile: bool = False, **params: Any) -> Generation:
     """Generate answers for a batch of prompts (strings, or lists of token ids).
 
     `params` go to the sampler or the cache by name (e.g. `threshold=0.9`, `temperature=0.5`,
-    `refresh_every=4`); a name both take goes in `sampler_args`/`cache_args`. `cache` defaults to
+    `refresh_every=4`); a name both take goes in `sampler_args`/`cache_args`. Every row draws from its own
+    generator seeded with `seed` (a row equals its prompt alone), or with `seed[i]`: several samples of one
+    prompt in one batch take a list of seeds. `cache` defaults to
     `default_cache(model)` (block-causal models: `block`; others: `none`). gen_length and block_length
     default to the model directory's `generation_config.json`, else 64 and 32 (or the largest block below 32
     that divides gen_length); steps to gen_length (one token
@@ -864,4 +890,5 @@ def stream(model: DiffusionLM, tokenizer, prompt, sampler: str | Sampler = "low_
     steps_per_block = check_lengths(lengths["gen_length"], lengths["block_length"], lengths["steps"])
     batch = Batch(model, sampler, cache, lengths["block_length"], steps_per_block, stop_early, trace,
                   callback=callback, compile=compile)
-    return Stream(tokenizer, batch, batch.add(ids[0], lengths["gen_length"], seed))
+    return Stream(tokenizer, batch, batch.add(ids[0], lengths["gen_length"], seed[0] if isinstance(seed, list)
+                                              else seed))

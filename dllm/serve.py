@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from .engine import (Batch, Canvas, answer_text, check_int, check_policies, check_seed, decoding_lengths,
-                     encode_prompts, lengths_for_answer, split_params)
+from .engine import (Batch, Canvas, answer_text, check_int, check_plain_text, check_policies, check_seed,
+                     decoding_lengths, encode_prompts, lengths_for_answer, split_params)
 from .errors import DllmError
 
 OPENAI_FIELDS = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "seed", "stream",
@@ -206,6 +206,8 @@ class Engine:
             raise DllmError("messages must be a non-empty list of {\"role\": ..., \"content\": \"text\"} objects")
         if getattr(tok, "chat_template", None) is None:
             raise DllmError("this model's tokenizer has no chat template; use /v1/completions")
+        for i, m in enumerate(messages):
+            check_plain_text(tok, m["content"], f"message {i}")
         if len(messages) == 1 and messages[0]["role"] == "user":
             return encode_prompts(tok, [messages[0]["content"]], chat=True)[0]  # exactly `dllm generate`'s
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

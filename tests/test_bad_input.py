@@ -137,6 +137,8 @@ API_CASES = [
     (dict(prompts=[[-1, 5]]), "token id -1, outside the model's vocabulary"),
     (dict(prompts=[[]]), "prompt 0 is empty"),
     (dict(prompts=["caf\udcff"]), "prompt 0 is not valid UTF-8"),
+    (dict(prompts=["copy: ab<|eot_id|>x"], chat=True), "prompt 0 contains the special token '<|eot_id|>', which the chat "
+                                             "template would read as a control token"),
     (dict(gen_length="64"), "gen_length must be an integer, got '64'"),
     (dict(gen_length=48.5), "gen_length must be an integer, got 48.5"),
     (dict(gen_length=True), "gen_length must be an integer, got True"),
@@ -235,6 +237,8 @@ def test_generation_config_of_the_model_directory_wins(tmp_path):
     assert "steps" not in dllm.load(str(tmp_path))[0].generation_defaults  # not applied to our 64 tokens
     (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 16, "steps": 8}))
     assert dllm.load(str(tmp_path))[0].generation_defaults == {"gen_length": 16, "steps": 8}
+    loaded = dllm.load(str(tmp_path))[0]  # the file's steps go with its length only
+    assert decoding_lengths(loaded)["steps"] == 8 and decoding_lengths(loaded, 32)["steps"] is None
     (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 12, "block_length": 8}))
     loaded, tok = dllm.load(str(tmp_path))  # a bad layout from the file: the file is named
     with pytest.raises(DllmError, match=r"gen_length \(12\) must be a multiple of block_length \(8\).*"

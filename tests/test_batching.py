@@ -79,6 +79,18 @@ def test_a_sampled_row_is_the_same_in_any_batch(model):
     assert torch.equal(canvas.tokens[0, canvas.prompt_length:], lone.tokens[0, lone.prompt_length:])
 
 
+def test_a_list_of_seeds_samples_one_prompt_several_times_in_one_batch():
+    """seed=[3, 4, 5]: row i draws as the prompt alone with seed i (best-of-n in one batch)."""
+    import dllm
+    model, tok = dllm.load("tiny-llada")
+    args = dict(temperature=5.0, gen_length=16, block_length=16)
+    batch = dllm.generate(model, tok, ["copy: k3x9a"] * 3, seed=[3, 4, 5], **args).texts
+    assert batch == [dllm.generate(model, tok, "copy: k3x9a", seed=s, **args).texts[0] for s in (3, 4, 5)]
+    assert len(set(batch)) > 1
+    with pytest.raises(dllm.DllmError, match="seed is a list of 2 seeds for 3 prompts"):
+        dllm.generate(model, tok, ["copy: k3x9a"] * 3, seed=[3, 4], **args)
+
+
 @pytest.mark.parametrize("sampler,cache", [("prophet", "none"), ("adablock", "dual"), ("low_confidence", "dkv"),
                                            ("threshold", "elastic")])
 def test_whole_answer_methods_refuse_rows_mid_run(sampler, cache):

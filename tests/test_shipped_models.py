@@ -73,10 +73,14 @@ def test_cli_default_model_is_tiny_llada(capsys):
 
 def test_cli_chat_answers_each_turn(monkeypatch, capsys):
     import io
-    monkeypatch.setattr("sys.stdin", io.StringIO(f"{HELD_OUT[0].prompt}\n{HELD_OUT[2].prompt}\n\nnot read\n"))
+    lines = f"{HELD_OUT[0].prompt}\ncopy: K\n{HELD_OUT[2].prompt}\n\nnot read\n"  # K: not in the vocabulary
+    monkeypatch.setattr("sys.stdin", io.StringIO(lines))
     assert main(["chat", "--sampler", "threshold", "--cache", "dual"]) == 0
-    first, second = capsys.readouterr().out.splitlines()  # one line per turn; stops at the empty line
+    out = capsys.readouterr()
+    first, second = out.out.splitlines()  # one line per turn; stops at the empty line
     assert [first, second] == [HELD_OUT[0].answer, HELD_OUT[2].answer]  # single-turn model: each turn afresh
+    assert out.err == "error: prompt 0 has characters the tokenizer does not know: 'K'; remove or replace them\n"
+    assert main(["chat", "--no-chat"]) == 2
 
 
 @pytest.mark.parametrize("sampler,cache", [("low_confidence", None), ("threshold", "fast"),
@@ -100,6 +104,18 @@ def test_stream_gives_the_answer_block_by_block_while_decoding(shipped, fast_cac
         assert s.generation.token_ids == alone.token_ids and s.generation.stats.nfe == alone.stats.nfe
         assert torch.equal(s.generation.sequences, alone.sequences)
         assert len(deltas) > 1 and steps_at[0] < len(steps)
+
+
+@pytest.mark.parametrize("name", ["tiny-llada", "tiny-dream"])
+def test_stream_of_an_answer_filled_early_is_whole(name):
+    """Prophet fills every later block in one forward and the row finishes inside the first block: the stream
+    still gives the whole answer."""
+    model, tok = dllm.load(name)
+    prompt = "add: 0457+0168"
+    s = dllm.stream(model, tok, prompt, "prophet", gen_length=64, block_length=16)
+    alone = dllm.generate(model, tok, [prompt], "prophet", gen_length=64, block_length=16)
+    assert "".join(s) == s.generation.texts[0] == alone.texts[0] and alone.texts[0].endswith("#### 625")
+    assert s.generation.token_ids == alone.token_ids
 
 
 def test_stream_holds_a_character_split_between_blocks_back(monkeypatch):

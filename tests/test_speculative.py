@@ -63,7 +63,7 @@ def test_context_free_predictions_accept_every_draft(k):
 def test_refusals(model):
     with pytest.raises(DllmError, match="greedy decoding only; set temperature=0"):
         samplers.SAMPLERS.create("speculative", temperature=0.5)
-    with pytest.raises(DllmError, match="use refresh_every=0"):
+    with pytest.raises(DllmError, match="use cache 'dual' with refresh_every=0"):  # checked before any forward
         decode(model, PROMPTS, samplers.SAMPLERS.create("speculative"), caches.CACHES.create("dual", refresh_every=2),
                32, 8)
 
