@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from dllm.params import Registry
 
-CACHES = Registry("cache")
+from .base import Cache, KVStore, PassThrough, PlanContext, gather_rows, row_slots, zeros
+
+CACHES = Registry("cache", Cache)
 register = CACHES.register
 
-from .base import Cache, KVStore, PassThrough, PlanContext, gather_rows, row_slots, zeros  # noqa: E402
 from . import blockwise, dkv, elastic  # noqa: E402,F401,I001  (registers none/prefix/dual, dkv/dkv_greedy, elastic)
 
 __all__ = ["CACHES", "Cache", "KVStore", "PassThrough", "PlanContext", "gather_rows", "register", "row_slots", "zeros"]

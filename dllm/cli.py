@@ -74,6 +74,8 @@ def _stdin_lines():
 
 def _check_writable_file(path: str, flag: str) -> None:
     """Fail before any work if `path` cannot be written (tried, not guessed: root ignores permission bits)."""
+    if not path:
+        raise DllmError(f"{flag} needs a file name")
     target = Path(path)
     if target.is_dir():
         raise DllmError(f"{flag} {path} is a directory; give a file name")
@@ -110,7 +112,7 @@ def _generate(args) -> int:
     prompts = args.prompts or [line.rstrip("\r\n") for line in _stdin_lines() if line.strip()]
     if not prompts:
         raise DllmError("no prompt given; pass PROMPT arguments or pipe prompts on stdin, one per line")
-    if args.trace:
+    if args.trace is not None:
         _check_writable_file(args.trace, "--trace")
     sampler, cache = _policies(args)
     model, tok = dllm.load(args.model, device=args.device, dtype=args.dtype)

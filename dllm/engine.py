@@ -6,6 +6,7 @@ when every row has finished (a stop token committed with nothing masked before i
 """
 from __future__ import annotations
 
+import numbers
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -118,9 +119,11 @@ class Canvas:
 
 
 def check_int(name: str, value: Any, minimum: int | None = None, maximum: int | None = None) -> int:
-    """`value` as an int (a bool, float or string is a one-line error naming `name`)."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    """`value` as an int (any integer type, e.g. numpy's; a bool, float or string is a one-line error naming
+    `name`)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise DllmError(f"{name} must be an integer, got {value!r}")
+    value = int(value)
     if minimum is not None and value < minimum:
         raise DllmError(f"{name} must be at least {minimum}, got {value}")
     if maximum is not None and value > maximum:
@@ -571,6 +574,9 @@ class Batch:
                 ctx.block_end = end
                 ctx.eligible = masked & (positions >= start) & (positions < end)
             out = sampler.step(ctx)
+            if not isinstance(out, samplers_mod.Commit):
+                raise DllmError(f"sampler {sampler.name!r} returned {type(out).__name__} from step; return a "
+                                f"Commit(mask, tokens, confidence)")
             commit = out.mask & masked
             stalled = (ctx.eligible.any(1) & ~(commit & ctx.eligible).any(1)).any()
             written = commit if editable is None or out.edit is None else commit | (out.edit & editable)
@@ -717,6 +723,9 @@ def split_params(sampler: str | Sampler, cache: str | Cache, params: dict[str, A
                  sampler_args: dict[str, Any] | None = None, cache_args: dict[str, Any] | None = None):
     """Build the sampler and the cache. `params` are routed by name and override `sampler_args`/`cache_args`;
     a name that both take must go through those instead (never a silent choice); unknown names are an error."""
+    for name, args in (("sampler_args", sampler_args), ("cache_args", cache_args)):
+        if args is not None and not isinstance(args, dict):
+            raise DllmError(f"{name} must be a dict of parameters, got {args!r}")
     sampler_cls = type(sampler) if isinstance(sampler, samplers_mod.Sampler) else samplers_mod.SAMPLERS.get(sampler)
     cache_cls = type(cache) if isinstance(cache, caches.Cache) else caches.CACHES.get(cache)
     both = sorted(set(params) & set(sampler_cls.param_names()) & set(cache_cls.param_names()))

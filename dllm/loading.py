@@ -39,6 +39,8 @@ def load(name_or_path: str, device: str | torch.device = "cpu", dtype: torch.dty
     device = parse_device(device)
     dtype = parse_dtype(dtype) if dtype is not None else None
     if name_or_path.startswith("random:"):
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+            raise DllmError(f"seed (of the random weights) must be an integer in 0..2^63-1, got {seed!r}")
         return _load_random(name_or_path.removeprefix("random:"), device, dtype or torch.float32, seed)
     if name_or_path in shipped_models():  # a bare name; anything with a slash is a path, even `./tiny-llada`
         return load_dir(SHIPPED_DIR / name_or_path, device, dtype)

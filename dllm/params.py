@@ -108,13 +108,18 @@ class Params:
 class Registry:
     """Name -> policy class, with creation from keyword arguments that reports every mistake in one line."""
 
-    def __init__(self, kind: str):
-        self.kind = kind
+    def __init__(self, kind: str, base: type[Params]):
+        self.kind, self.base = kind, base
         self.classes: dict[str, type[Params]] = {}
 
     def register(self, name: str):
         def add(cls: type[Params]) -> type[Params]:
-            if name in self.classes and self.classes[name] is not cls:
+            if not (isinstance(cls, type) and issubclass(cls, self.base)):
+                raise DllmError(f"{self.kind} {name!r}: register a dataclass subclass of {self.base.__name__}, "
+                                f"got {cls!r}")
+            known = self.classes.get(name)
+            if known is not None and known is not cls and \
+                    (known.__module__, known.__qualname__) != (cls.__module__, cls.__qualname__):  # a re-run cell
                 raise DllmError(f"{self.kind} {name!r} is already registered; pick another name")
             cls.name, cls.kind = name, self.kind
             self.classes[name] = cls

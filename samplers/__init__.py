@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from dllm.params import Registry
 
-SAMPLERS = Registry("sampler")
+from .base import Commit, Sampler, StepContext
+
+SAMPLERS = Registry("sampler", Sampler)
 register = SAMPLERS.register
 
-from .base import Commit, Sampler, StepContext  # noqa: E402
 from . import llada, fastdllm, dream, research, speculative, block_diffusion  # noqa: E402,F401,I001  (registers the built-in samplers, in order)
 
 __all__ = ["SAMPLERS", "Commit", "Sampler", "StepContext", "register"]

@@ -58,6 +58,12 @@ class LocalLeap(Sampler):
 
     threshold: float = param(0.9, "anchor and strict commit threshold (kappa)", ge=0.0)
     relaxed_threshold: float = param(0.75, "threshold within radius of an anchor (tau <= kappa)", ge=0.0)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.relaxed_threshold > self.threshold:
+            raise DllmError(f"sampler 'localleap' needs relaxed_threshold <= threshold (tau <= kappa), got "
+                            f"{self.relaxed_threshold} > {self.threshold}")
     radius: int = param(4, "neighbourhood radius W around each anchor", ge=0)
 
     def step(self, ctx: StepContext) -> Commit:
@@ -145,10 +151,17 @@ class AdaBlock(Sampler):
     def prepare(self, tokenizer) -> None:
         """Resolve `delimiters` to every vocabulary token made only of delimiter characters."""
         if self.delimiter_ids is not None:
+            outside = [int(i) for i in self._ids if not 0 <= i < len(tokenizer)]
+            if outside:
+                raise DllmError(f"sampler 'adablock' delimiter_ids has {outside[0]}, not a token id of this "
+                                f"tokenizer (0..{len(tokenizer) - 1})")
             return
         chars = set(self.delimiters)
         ids = [i for tok, i in tokenizer.get_vocab().items()
                if (text := tokenizer.convert_tokens_to_string([tok])) and set(text) <= chars]
+        if not ids:
+            raise DllmError(f"sampler 'adablock' delimiters={self.delimiters!r} match no token of this tokenizer; "
+                            f"choose characters it has (e.g. a newline) or set delimiter_ids")
         self._ids = torch.tensor(sorted(ids), dtype=torch.long)
 
     def _window(self, prompt_length, length, start):

@@ -45,6 +45,7 @@ CLI_CASES = [
     (["generate", "copy: abcd", "--device", "cuda:7"], "CUDA is not available|there is no cuda:7", None, []),
     (["generate", "copy: abcd", "--dtype", "int8"], "unsupported dtype 'int8'; use one of float32", None, []),
     (["generate", "copy: abcd", "--trace", "{tmp}"], "--trace .* is a directory; give a file name", None, []),
+    (["generate", "copy: abcd", "--trace", ""], "--trace needs a file name", None, []),
     (["generate", "copy: abcd", "--trace", "{tmp}/no/t.jsonl"], "folder .* does not exist; create it", None, []),
     (["generate", "copy: abcd", "--trace", "/proc/self/t.jsonl"], "--trace /proc/self/t.jsonl is not writable", None,
      []),

@@ -221,6 +221,47 @@ def test_sampler_that_commits_nothing_is_an_error(tiny):
                    "committed nothing for an unfinished row")
 
 
+def test_sampler_mistakes_of_user_code_are_one_line(tiny):
+    @samplers.register("none_test")
+    @dataclass
+    class ReturnsNothing(samplers.Sampler):
+        def step(self, ctx):
+            pass
+
+    one_line_error(lambda: dllm.generate(*tiny, ["ab"], sampler="none_test", gen_length=8, block_length=8),
+                   r"sampler 'none_test' returned NoneType from step; return a Commit\(mask, tokens, confidence\)")
+    one_line_error(lambda: samplers.register("junk_test")(dict), "register a dataclass subclass of Sampler")
+
+    @samplers.register("none_test")  # the same class defined again (a notebook cell run twice) replaces it
+    @dataclass
+    class ReturnsNothing(samplers.Sampler):  # noqa: F811
+        def step(self, ctx):
+            pass
+
+    with pytest.raises(DllmError, match="'none_test' is already registered"):
+        @samplers.register("none_test")
+        @dataclass
+        class Other(samplers.Sampler):
+            pass
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(sampler_args=[1]), "sampler_args must be a dict of parameters, got \\[1\\]"),
+    (dict(sampler="localleap", threshold=0.5, relaxed_threshold=0.95), "needs relaxed_threshold <= threshold"),
+    (dict(sampler="adablock", delimiter_ids="9999"), "delimiter_ids has 9999, not a token id of this tokenizer"),
+    (dict(sampler="adablock", delimiters="\u00e9"), "match no token of this tokenizer"),
+])
+def test_policy_values_that_cannot_work_are_refused(tiny, kwargs, match):
+    one_line_error(lambda: dllm.generate(*tiny, ["ab"], chat=False, gen_length=8, block_length=8, **kwargs), match)
+
+
+def test_numpy_integers_are_integers_and_load_checks_its_seed(tiny):
+    import numpy as np
+    out = dllm.generate(*tiny, ["ab"], chat=False, gen_length=np.int64(8), block_length=np.int32(8))
+    assert out.sequences.shape[1] == 2 + 8
+    one_line_error(lambda: dllm.load("random:llada-tiny", seed="x"), "seed \\(of the random weights\\) must be")
+
+
 def test_sampler_whose_commits_differ_from_its_verified_draft_is_an_error(tiny):
     from dllm.samplers.speculative import Speculative
 
