@@ -188,6 +188,7 @@ class Cache(Params):
     needs_next_commits: ClassVar[bool] = False  # `plan` needs the next step's commits before its forward
     compiles: ClassVar[bool] = False  # its rows are always slices, so the forward can run compiled
     block_causal_only: ClassVar[bool] = False  # exact only when blocks never attend to later ones (SDAR)
+    rows_coupled: ClassVar[bool] = False  # a row's refresh depends on its batch neighbours (so padded != alone)
     block_fresh: ClassVar[bool] = False  # recomputes every row at each block start: nothing in the store outlives
     # a block, so a batch can be laid out anew between blocks (rows joining and leaving, `dllm serve`)
 

@@ -14,6 +14,7 @@ pads and masks are never tracked."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +51,8 @@ class ElasticCache(Cache):
 
     Recomputes the most-attended, the just-decoded and the leftmost masked tokens; when the tracked attention
     drifts at a layer, every row from the next layer on."""
+
+    rows_coupled: ClassVar[bool] = True  # the batch switches where any row drifts
 
     gamma: float = param(0.9, "recompute the deeper layers when the tracked attention similarity falls below this "
                          "(> 1: from layer 1 every step; -inf: never)", allow_inf=True)

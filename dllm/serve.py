@@ -171,6 +171,8 @@ class Engine:
                steps_per_block, not ignore_eos)
         if not (sampler.block_local and cache.block_fresh):
             key += (gen,)  # a batch that runs to its end decodes one layout
+        if cache.rows_coupled:
+            key += (uuid.uuid4().hex,)  # decoded alone, so the answer is the prompt's alone
         return Job(ids, lengths, max_tokens, seed, sampler, cache, stop, stream, chat, key,
                    steps_per_block=steps_per_block, stop_early=not ignore_eos)
 

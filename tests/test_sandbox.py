@@ -1,7 +1,7 @@
 """The sandbox that runs generated code: failures are contained and scored as failures, and hostile programs are
 stopped by the operating system (bubblewrap namespaces), checked through the function the scorers call.
 
-Every escape program exits 0 only if its escape worked, so `passed` means escaped; the host files they aim at
+Every escape program runs to its end only if its escape worked, so `passed` means escaped; the host files they aim at
 are checked unchanged afterwards."""
 import os
 import socket

@@ -198,6 +198,16 @@ def test_a_request_that_fails_to_join_fails_alone(tiny, monkeypatch):
     assert 'dllm_requests_total{endpoint="chat",outcome="error"} 1.0' in metrics
 
 
+def test_elastic_requests_decode_alone(tiny):
+    """Elastic-Cache refreshes the whole batch where any row drifts, so a row in a batch can differ from its prompt
+    alone (found with a long sort prompt beside a copy): the server gives each such request a batch of its own."""
+    model, tok = tiny
+    engine = Engine(model, tok, "tiny-llada", DEFAULTS)
+    body = {"prompt": "copy: k3x9a", "sampler": "threshold", "gen_length": 64, "block_length": 16}
+    assert engine.job({**body, "cache": "dual"}, False).key == engine.job({**body, "cache": "dual"}, False).key
+    assert engine.job({**body, "cache": "elastic"}, False).key != engine.job({**body, "cache": "elastic"}, False).key
+
+
 def test_models_health_and_metrics(server):
     with urllib.request.urlopen(server.url + "/v1/models") as r:
         assert json.loads(r.read())["data"][0]["id"] == "tiny-llada"
