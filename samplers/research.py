@@ -58,12 +58,6 @@ class LocalLeap(Sampler):
 
     threshold: float = param(0.9, "anchor and strict commit threshold (kappa)", ge=0.0)
     relaxed_threshold: float = param(0.75, "threshold within radius of an anchor (tau <= kappa)", ge=0.0)
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.relaxed_threshold > self.threshold:
-            raise DllmError(f"sampler 'localleap' needs relaxed_threshold <= threshold (tau <= kappa), got "
-                            f"{self.relaxed_threshold} > {self.threshold}")
     radius: int = param(4, "neighbourhood radius W around each anchor", ge=0)
 
     def step(self, ctx: StepContext) -> Commit:

@@ -247,7 +247,6 @@ def test_sampler_mistakes_of_user_code_are_one_line(tiny):
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(sampler_args=[1]), "sampler_args must be a dict of parameters, got \\[1\\]"),
-    (dict(sampler="localleap", threshold=0.5, relaxed_threshold=0.95), "needs relaxed_threshold <= threshold"),
     (dict(sampler="adablock", delimiter_ids="9999"), "delimiter_ids has 9999, not a token id of this tokenizer"),
     (dict(sampler="adablock", delimiters="\u00e9"), "match no token of this tokenizer"),
 ])
