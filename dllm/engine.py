@@ -768,6 +768,10 @@ def decoding_lengths(model: DiffusionLM, gen_length: int | None = None, block_le
         block_length = own.get("block_length") or model.config.block_size or _default_block(gen_length)
     if steps is None and gen_length == own.get("gen_length"):  # the file's steps belong to the file's length
         steps = own.get("steps")
+    size = model.config.block_size
+    if size and block_length == size and isinstance(gen_length, int) and gen_length > 0 and gen_length % size:
+        raise DllmError(f"gen_length ({gen_length}) must be a multiple of the model's attention block ({size}); "
+                        f"e.g. gen_length {-(-gen_length // size) * size}")
     try:
         check_lengths(gen_length, block_length, steps)
     except DllmError as e:

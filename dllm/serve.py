@@ -28,7 +28,9 @@ from .engine import (Batch, Canvas, answer_text, check_int, check_plain_text, ch
 from .errors import DllmError
 
 OPENAI_FIELDS = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "seed", "stream",
-                 "n", "stop", "user", "stream_options", "ignore_eos"}  # ignore_eos as vLLM: decode every block
+                 "n", "stop", "user", "stream_options", "ignore_eos",  # ignore_eos as vLLM: decode every block
+                 "top_p", "frequency_penalty", "presence_penalty"}
+NEUTRAL = {"top_p": 1, "frequency_penalty": 0, "presence_penalty": 0}  # what clients send by default; no other value
 LAYOUT_FIELDS = ("gen_length", "block_length", "steps")
 
 
@@ -129,6 +131,10 @@ class Engine:
                             f"(GET /v1/models)")
         if body.get("n", 1) != 1:
             raise DllmError(f"n must be 1, got {body['n']!r}; send one request per answer")
+        for name, neutral in NEUTRAL.items():
+            if body.get(name, neutral) not in (None, neutral):
+                raise DllmError(f"{name} is not supported (the sampler decides what to commit); drop it or send "
+                                f"{neutral}")
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise DllmError(f"stream must be true or false, got {stream!r}")

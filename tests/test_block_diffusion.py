@@ -158,6 +158,10 @@ def test_prophet_is_refused_on_block_causal_models(model):
 
 
 def test_block_layout_errors(model):
+    from dllm.engine import decoding_lengths
+    with pytest.raises(DllmError, match=r"gen_length \(6\) must be a multiple of the model's attention block "
+                                        r"\(4\); e.g. gen_length 8$"):
+        decoding_lengths(model, 6)
     with pytest.raises(DllmError, match=r"block_length \(8\) must equal the model's attention block \(4\)"):
         decode(model, PROMPTS, samplers.SAMPLERS.create("threshold"), caches.CACHES.create("block"), 16, 8)
     llada = dllm.load("random:llada-tiny")[0]

@@ -98,6 +98,7 @@ BAD = [
     ({"prompt": "copy: " + "a" * 400}, "exceeds the model's context"),
     ({"prompt": "copy: ab", "model": "gpt-4"}, "model 'gpt-4' is not served here"),
     ({"prompt": "copy: ab", "n": 2}, "n must be 1"),
+    ({"prompt": "copy: ab", "top_p": 0.9}, "top_p is not supported (the sampler decides what to commit)"),
     ({"prompt": "copy: ab", "max_tokens": 0}, "max_tokens must be at least 1"),
     ({"prompt": "copy: ab", "seed": "x"}, "seed must be an integer"),
     ({"prompt": "copy: ab", "stream": "yes"}, "stream must be true or false"),
@@ -115,6 +116,14 @@ def test_bad_requests_get_400_with_the_cli_message(server, body, message):
     assert status == 400
     assert message in answer["error"]["message"]
     assert "\n" not in answer["error"]["message"]
+
+
+def test_clients_default_fields_are_accepted(server):
+    """OpenAI clients and UIs often send top_p 1 and zero penalties: they change nothing and are accepted."""
+    plain = post(server.url + "/v1/chat/completions", chat("copy: abcd"))
+    with_defaults = post(server.url + "/v1/chat/completions", chat("copy: abcd", top_p=1, frequency_penalty=0,
+                                                                   presence_penalty=0.0))
+    assert with_defaults[0] == plain[0] == 200 and text_of(with_defaults[1]) == text_of(plain[1])
 
 
 def test_bad_chat_and_json_get_400(server):
