@@ -36,7 +36,8 @@ TIMEOUT_SECONDS = 10.0
 MEMORY_MB = 1024
 MAX_FILE_MB = 16
 TMPFS_MB = 64
-MAX_PROCESSES = 64  # per uid: every sandbox together
+MAX_PROCESSES = 64  # per program: each runs in a user namespace of its own, where Linux (5.14+) counts processes
+# (as root on a host that forbids unprivileged user namespaces, programs running at once share uid 65534's count)
 NOBODY = 65534
 STDERR_TAIL = 4096  # bytes of stderr read back (the exception is its last line)
 INSTALL_HINT = ("install bubblewrap (Debian/Ubuntu: apt-get install -y bubblewrap; Fedora: dnf install bubblewrap), "

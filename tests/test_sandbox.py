@@ -171,6 +171,21 @@ def test_bombs_are_bounded(bomb):
     assert not survivors or os.geteuid() != 0  # as root the sandbox runs as nobody: none of them is left
 
 
+@isolated
+def test_a_fork_heavy_program_leaves_its_neighbours_their_processes():
+    """The process limit is per program (each runs in a user namespace of its own, where the kernel counts its
+    processes): 63 sleepers in one program do not stop another's subprocess.run."""
+    from concurrent.futures import ThreadPoolExecutor
+    hog = "import os, time\nfor _ in range(63):\n    if os.fork() == 0:\n        time.sleep(4)\n        os._exit(0)\n" \
+          "time.sleep(4)"
+    with ThreadPoolExecutor(2) as pool:
+        hogging = pool.submit(run_python, hog, 8)
+        time.sleep(1.5)
+        neighbour = run_python("import subprocess\nsubprocess.run(['true'], check=True)")
+        hogging.result()
+    assert neighbour.passed, neighbour.detail
+
+
 def test_without_bubblewrap_nothing_runs_unless_unsafe(monkeypatch, tmp_path):
     monkeypatch.setattr(sandbox.shutil, "which", lambda name, path=None: None)
     sandbox.isolation_problem.cache_clear()
