@@ -48,8 +48,8 @@ def bench(model, sampler, cache, gen_length: int, block_length: int, steps: int 
     compiles it)."""
     prompts = random_prompts(model, batch_size, prompt_length, seed)
     device = model.device
-    warm_up = decode(model, prompts, sampler, cache, gen_length, block_length, steps, seed, stop_early=False,
-                     callback=callback, compile=compile)[1]  # and compilation: every shape of the timed runs
+    canvas, warm_up, _ = decode(model, prompts, sampler, cache, gen_length, block_length, steps, seed,
+                                stop_early=False, callback=callback, compile=compile)  # and compilation
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     runs = [decode(model, prompts, sampler, cache, gen_length, block_length, steps, seed, stop_early=False,
@@ -59,7 +59,7 @@ def bench(model, sampler, cache, gen_length: int, block_length: int, steps: int 
     # which would keep the host from queueing the loop's work behind it in the timed runs
     profiled = decode(model, prompts, sampler, cache, gen_length, block_length, steps, seed, stop_early=False,
                       profile=True, callback=callback, compile=compile)[1]
-    length = prompt_length + gen_length
+    length = canvas.tokens.shape[1]  # a block-causal model's canvas aligns the answer to its blocks
     rows = sum(stats.rows_per_layer) / len(stats.rows_per_layer)
     cfg = model.config
     described = {"arch": cfg.arch, "parameters": cfg.num_parameters(), "dtype": str(model.dtype).removeprefix("torch.")}

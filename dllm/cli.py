@@ -12,7 +12,7 @@ from typing import Any
 from dllm import cache as caches
 from dllm import samplers as samplers_mod
 
-from .engine import check_plain_text, decoding_lengths, default_cache
+from .engine import check_plain_text, check_seed, decoding_lengths, default_cache
 from .errors import DllmError
 
 DEFAULT_MODEL = "tiny-llada"
@@ -184,7 +184,8 @@ def _eval(args) -> int:
     try:
         return _run_eval(args)
     except KeyboardInterrupt:
-        kept = f"{count_records(args.output)} records kept in {args.output}" if args.output else "nothing kept"
+        kept = f"{count_records(args.output, sweep=bool(args.sweep))} records kept in {args.output}" if args.output \
+            else "nothing kept"
         resume = "rerun the same command to resume: " + shlex.join(["dllm", *sys.argv[1:]]) if args.output \
             else "add --output DIR to keep the records and resume"
         print(f"error: interrupted; {kept}; {resume}", file=sys.stderr)
@@ -257,8 +258,10 @@ def _bench(args) -> int:
                         ("--repeats", args.repeats)):
         if value < 1:
             raise DllmError(f"{flag} must be at least 1, got {value}")
+    check_seed(args.seed)
     sampler, cache = _policies(args)
-    model, _ = dllm.load(args.model, device=args.device, dtype=args.dtype)
+    model, tok = dllm.load(args.model, device=args.device, dtype=args.dtype)
+    sampler.prepare(tok)  # e.g. AdaBlock's delimiter ids
     cache = caches.CACHES.create(default_cache(model)) if cache is None else cache
     lengths = decoding_lengths(model, args.gen_length, args.block_length, args.steps)
     total = sum(batch_sizes) * (2 + args.repeats) * lengths["gen_length"]  # warm-up, timed runs, forwards timed

@@ -307,7 +307,7 @@ def check_block_layout(model: DiffusionLM, block_length: int) -> None:
 def check_compile(cache: Cache, compile: bool) -> None:
     if compile and not cache.compiles:
         raise DllmError(f"cache {cache.name!r} chooses its rows token by token and runs eagerly; drop --compile "
-                        f"(compile=False) or use cache none, prefix or dual")
+                        f"(compile=False) or use cache none, prefix, dual or (block-causal models) block")
 
 
 # A model's floats (RMSNorm eps) are compiled in as constants: a layer region (`Block`) takes tensors only, and
@@ -707,6 +707,12 @@ def _encode_text(tokenizer, text: str, row: int, chat: bool) -> list[int]:
         check_plain_text(tokenizer, text, f"prompt {row}")
         text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                              tokenize=False)
+    return encode_text(tokenizer, text, f"prompt {row}")
+
+
+def encode_text(tokenizer, text: str, what: str) -> list[int]:
+    """Token ids of `text` as it is (no special tokens added); characters the tokenizer does not know are an error
+    naming `what`, never a silent unk (the tiny models' unk is their end of text)."""
     unk = getattr(tokenizer, "unk_token_id", None)
     if unk is None or not getattr(tokenizer, "is_fast", False):  # byte-level BPE (the real models) has no unk
         return tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -714,7 +720,7 @@ def _encode_text(tokenizer, text: str, row: int, chat: bool) -> list[int]:
     unknown = sorted({text[a:b] for t, (a, b) in zip(enc["input_ids"], enc["offset_mapping"])
                       if t == unk and text[a:b] != tokenizer.unk_token})
     if unknown:
-        raise DllmError(f"prompt {row} has characters the tokenizer does not know: "
+        raise DllmError(f"{what} has characters the tokenizer does not know: "
                         f"{', '.join(map(repr, unknown))}; remove or replace them")
     return enc["input_ids"]
 

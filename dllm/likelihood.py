@@ -17,17 +17,23 @@ import torch.nn.functional as F
 
 from . import cache as caches
 from . import samplers
-from .engine import check_int, decode
+from .engine import check_int, check_seed, decode
 from .errors import DllmError
 from .models import DiffusionLM
 
 
 def _check(model: DiffusionLM, prefix: list[int], target: list[int]) -> None:
+    vocab = model.config.vocab_size
+    for name, ids in (("context", prefix), ("continuation", target)):
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                                for t in ids):
+            raise DllmError(f"the {name} must be a list of token ids in [0, {vocab}), got {ids!r:.80}")
     if not target:
         raise DllmError("the continuation is empty; a likelihood needs at least one continuation token")
     if len(prefix) + len(target) > model.config.max_length:
+        fix = "shorten the context" if prefix else "the continuation alone is too long; split it"
         raise DllmError(f"context ({len(prefix)} tokens) + continuation ({len(target)}) exceeds the model's context of "
-                        f"{model.config.max_length}; shorten the context")
+                        f"{model.config.max_length}; {fix}")
 
 
 @torch.no_grad()
@@ -38,6 +44,9 @@ def elbo(model: DiffusionLM, prefix: list[int], target: list[int], mc_num: int =
     _check(model, prefix, target)
     check_int("mc_num", mc_num, 1)
     check_int("batch_size", batch_size, 1)
+    check_seed(seed)
+    if not isinstance(cfg_scale, (int, float)) or not cfg_scale >= 0:
+        raise DllmError(f"cfg_scale must be a number >= 0 (0: no guidance), got {cfg_scale!r}")
     cfg, device = model.config, model.device
     n, length = len(prefix), len(target)
     sequence = torch.tensor(prefix + target, device=device)
@@ -68,11 +77,15 @@ def elbo(model: DiffusionLM, prefix: list[int], target: list[int], mc_num: int =
 @torch.no_grad()
 def is_greedy(model: DiffusionLM, prefix: list[int], target: list[int]) -> bool:
     """Whether decoding the continuation's length after `prefix` one token per step, most confident position
-    first (LLaDA's low-confidence remasking, its eval's greedy check), gives exactly `target`."""
+    first (LLaDA's low-confidence remasking, its eval's greedy check), gives exactly `target`. A block-causal
+    model decodes in its attention blocks, the canvas rounded up to whole blocks."""
     _check(model, prefix, target)
     if not prefix:
         raise DllmError("the greedy check needs a context of at least one token")
+    block = model.config.block_size
+    length = -(-len(target) // block) * block if block else len(target)
     canvas, _, _ = decode(model, [prefix], samplers.SAMPLERS.create("low_confidence"), caches.CACHES.create("none"),
-                          len(target), len(target), len(target), stop_early=False)
-    return canvas.tokens[0, len(prefix):].tolist() == list(target)
+                          length, block or length, length, stop_early=False)
+    start = int(canvas.gen_start[0])
+    return canvas.tokens[0, start:start + len(target)].tolist() == list(target)
 

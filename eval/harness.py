@@ -135,8 +135,10 @@ def check_output_dir(output: str | Path) -> None:
                         f"directory") from None
 
 
-def count_records(output: str | Path) -> int:
-    return len(_read_records(Path(output) / "results.jsonl"))
+def count_records(output: str | Path, sweep: bool = False) -> int:
+    """Records in `output`, or with `sweep` in its points' folders."""
+    files = Path(output).glob("*/results.jsonl") if sweep else [Path(output) / "results.jsonl"]
+    return sum(len(_read_records(f)) for f in files)
 
 
 def _check_context(model, tokenizer, items: list[Item], chat: bool, gen_length: int, shots: int) -> None:

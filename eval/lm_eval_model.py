@@ -43,6 +43,14 @@ def _device(device: str | None) -> str:
     return device or "cpu"
 
 
+def _flag(name: str, value) -> bool:
+    """A --model_args switch: true/false, 1/0, yes/no, on/off."""
+    text = str(value).lower()
+    if text not in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+        raise DllmError(f"{name} must be true or false, got {value!r}")
+    return text in ("true", "1", "yes", "on")
+
+
 def _number(name: str, value, kind: type):
     """`value` (lm-eval passes --model_args as text) as an int or float, or a one-line error naming `name`."""
     try:
@@ -88,7 +96,7 @@ class DllmLM(LM):
         self.likelihood = dict(mc_num=check_int("mc_num", _number("mc_num", mc_num, int), 1),
                                batch_size=check_int("mc_batch_size", _number("mc_batch_size", mc_batch_size, int), 1),
                                cfg_scale=_number("cfg", cfg, float), seed=seed)
-        self.greedy_check = str(greedy_check).lower() not in ("false", "0", "no")
+        self.greedy_check = _flag("greedy_check", greedy_check)
 
     def _canvas(self, max_gen_toks: int | None) -> dict:
         """Decoding lengths for an answer of at most `max_gen_toks` tokens: whole blocks, the same steps per token."""
@@ -116,12 +124,18 @@ class DllmLM(LM):
         bar = tqdm(total=len(requests), disable=disable_tqdm, desc="dllm")
         for max_gen_toks, members in groups.items():
             members.sort(key=lambda i: -len(requests[i].args[0]))  # similar lengths batch together
+            if max_gen_toks is not None and (isinstance(max_gen_toks, bool) or not isinstance(max_gen_toks, int)
+                                             or max_gen_toks < 1):
+                raise DllmError(f"max_gen_toks must be a positive integer, got {max_gen_toks!r}")
             lengths = self._canvas(max_gen_toks)
+            room = self.model.config.max_length - lengths["gen_length"]
+            if room < 1:
+                raise DllmError(f"an answer canvas of {lengths['gen_length']} tokens leaves no room for a context in "
+                                f"the model's {self.model.config.max_length}; lower gen_length or max_gen_toks")
             for start in range(0, len(members), self.batch_size):
                 batch = members[start:start + self.batch_size]
-                room = self.model.config.max_length - lengths["gen_length"]
                 contexts = encode_prompts(self.tokenizer, [requests[i].args[0] for i in batch], chat=False)
-                out = dllm.generate(self.model, self.tokenizer, [ids[-room:] if 0 < room < len(ids) else ids for ids in contexts], self.sampler,
+                out = dllm.generate(self.model, self.tokenizer, [ids[-room:] for ids in contexts], self.sampler,
                                     self.cache, chat=False, **lengths)  # lm-eval applies the chat template itself
                 for i, ids in zip(batch, out.token_ids):
                     ids = ids[:int(max_gen_toks)] if max_gen_toks else ids
@@ -138,8 +152,10 @@ class DllmLM(LM):
         """Token ids of the context and of the continuation: the whole text's ids split after the context's,
         or, where the two merge across the boundary (a BPE word with its leading space), split after the
         context without its trailing spaces, as lm-eval's own models do."""
+        from dllm.engine import encode_text
+
         def ids(text: str) -> list[int]:
-            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            return encode_text(self.tokenizer, text, "a request")
 
         whole, prefix = ids(context + continuation), ids(context)
         if whole[:len(prefix)] != prefix:
@@ -159,12 +175,13 @@ class DllmLM(LM):
         return results
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        from dllm.engine import encode_text
         from dllm.likelihood import elbo
 
         window = self.model.config.max_length
         results = []
         for request in tqdm(requests, disable=disable_tqdm, desc="dllm loglikelihood_rolling"):
-            ids = self.tokenizer(request.args[0], add_special_tokens=False)["input_ids"]
+            ids = encode_text(self.tokenizer, request.args[0], "a request")
             results.append(sum(elbo(self.model, [], ids[i:i + window], **self.likelihood)
                                for i in range(0, len(ids), window)))
         return results
@@ -201,4 +218,8 @@ if __name__ == "__main__":
         raise SystemExit("lm-eval is not installed; pip install 'dllm-fast[lm-eval]'")
     from lm_eval.__main__ import cli_evaluate
 
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except DllmError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

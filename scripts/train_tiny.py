@@ -299,8 +299,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
-    if args.block_size < 1:
-        raise ValueError(f"--block-size must be at least 1, got {args.block_size}")
+    for flag in ("block_size", "batch_size", "steps", "eval_every", "save_every"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -362,6 +363,7 @@ def main(argv: list[str] | None = None) -> None:
                 acc = evaluate(model, tok, held_out, args.answer_length, block_length, "low_confidence_dynamic")
                 tqdm.write("  low_confidence_dynamic: " + " ".join(f"{k} {v:.2f}" for k, v in acc.items()))
     model.eval()
+    model.generation_defaults = {"multi_turn": False}  # trained on single turns: `dllm chat` starts each afresh
     save_pretrained(model, tok, out)
     print(f"saved {out} after {(time.time() - began) / 60:.1f} min")
 

@@ -69,3 +69,11 @@ def test_sweep_without_matplotlib_says_how_to_get_the_plot(tmp_path, capsys, mon
     assert main(args) == 0
     assert "pareto.png not drawn: matplotlib is missing; pip install 'dllm-fast[plot]'" in capsys.readouterr().err
     assert not (tmp_path / "pareto.png").exists()
+
+
+def test_an_interrupted_sweep_counts_the_records_of_its_points(tmp_path):
+    from dllm.eval.harness import count_records
+    for point, n in (("sampler-threshold", 3), ("sampler-low_confidence", 2)):
+        (tmp_path / point).mkdir()
+        (tmp_path / point / "results.jsonl").write_text("".join(json.dumps({"id": str(i)}) + "\n" for i in range(n)))
+    assert (count_records(tmp_path), count_records(tmp_path, sweep=True)) == (0, 5)

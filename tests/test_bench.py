@@ -30,6 +30,21 @@ def test_forward_kinds_and_rows_follow_the_cache(cache, full):
     assert r["rows_vs_no_cache"] == pytest.approx(rows / (G * L))
 
 
+def test_no_cache_computes_every_row_whatever_the_prompt_length():
+    """On a block-causal model the canvas aligns the answer to its blocks; rows_vs_no_cache counts that canvas."""
+    r = bench(random_model("sdar-tiny"), samplers.SAMPLERS.create("low_confidence"), caches.CACHES.create("none"),
+              16, 4, prompt_length=7, repeats=1)
+    assert r["rows_vs_no_cache"] == pytest.approx(1.0)
+
+
+def test_cli_bench_prepares_the_sampler_and_checks_the_seed(capsys):
+    assert main(["bench", "--model", "tiny-llada", "--sampler", "adablock", "--gen-length", "16", "--block-length",
+                 "8", "--prompt-length", "8", "--repeats", "1", "--json"]) == 0  # delimiter ids from the tokenizer
+    assert json.loads(capsys.readouterr().out)["nfe"] > 0
+    assert main(["bench", "--model", "random:llada-tiny", "--seed", str(2**64)]) == 2
+    assert "seed must be at most" in capsys.readouterr().err
+
+
 def test_cli_bench_json(capsys):
     main(["bench", "--model", "random:llada-tiny", "--cache", "dual", "--gen-length", "16", "--block-length", "8",
           "--prompt-length", "8", "--repeats", "1", "--json"])

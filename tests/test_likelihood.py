@@ -58,6 +58,34 @@ def test_elbo_refuses_an_empty_continuation(tiny_llada):
         elbo(tiny_llada[0], [7, 8], [])
 
 
+@pytest.mark.parametrize("args,match", [
+    (dict(target=[10**6]), r"the continuation must be a list of token ids in \[0, "),
+    (dict(prefix=[-1]), "the context must be a list of token ids"),
+    (dict(seed=2**70), "seed must be at most"),
+    (dict(cfg_scale=float("nan")), "cfg_scale must be a number >= 0"),
+    (dict(prefix=[], target=[5] * 600), "the continuation alone is too long; split it"),
+])
+def test_elbo_refuses_what_it_cannot_score(tiny_llada, args, match):
+    args = {"prefix": [7, 8], "target": [9], "mc_num": 2, **args}
+    with pytest.raises(DllmError, match=match):
+        elbo(tiny_llada[0], args.pop("prefix"), args.pop("target"), **args)
+
+
+def test_likelihood_requests_on_a_block_causal_model_and_unknown_characters():
+    """tiny-sdar decodes its greedy check in its attention blocks; a character the tokenizer does not know is an
+    error naming it, never read as end of text (tiny-llada's unk)."""
+    from types import SimpleNamespace
+    lm = _lm(model="tiny-sdar", mc_num=4)
+    (score, greedy), = lm.loglikelihood([SimpleNamespace(args=("reverse: abc12\n", "#### 21cba"))], disable_tqdm=True)
+    assert score < 0 and isinstance(greedy, bool)
+    lm = _lm(model="tiny-llada", mc_num=4, greedy_check="off")
+    assert lm.greedy_check is False
+    with pytest.raises(DllmError, match="a request has characters the tokenizer does not know: 'A'"):
+        lm.loglikelihood([SimpleNamespace(args=("copy: ab\n", "ABC"))], disable_tqdm=True)
+    with pytest.raises(DllmError, match="leaves no room for a context"):
+        _lm(model="tiny-llada", gen_length=256).generate_until([SimpleNamespace(args=("copy: ab", {}))])
+
+
 def _lm(**args):
     with redirect_stderr(io.StringIO()):
         return DllmLM(**args)

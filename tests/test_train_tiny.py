@@ -1,4 +1,5 @@
 """scripts/train_tiny.py: seeded and resumable, and its bad flags fail with a message that names the fix."""
+import json
 import sys
 from pathlib import Path
 
@@ -33,6 +34,7 @@ def test_an_interrupted_run_resumes_to_the_same_weights(tmp_path, monkeypatch):
         train(tmp_path, "resumed", 3)
     monkeypatch.setattr(train_tiny, "save_state", save)
     resumed = train(tmp_path, "resumed", 3)  # the same command again picks up at step 2
+    assert json.loads((tmp_path / "straight" / "generation_config.json").read_text()) == {"multi_turn": False}
     assert straight.keys() == resumed.keys()
     assert all(torch.equal(resumed[k], straight[k]) for k in straight)
     other_seed = train(tmp_path, "other", 3, "--seed", "1")
@@ -48,6 +50,8 @@ def test_bad_flags_name_the_fix(tmp_path):
         train(tmp_path, "m", 1, "--mix", "copy:0")
     with pytest.raises(ValueError, match="--min-answer-length must be in"):
         train(tmp_path, "m", 1, "--min-answer-length", "10")
+    with pytest.raises(ValueError, match="--eval-every must be at least 1, got 0"):
+        train(tmp_path, "m", 1, "--eval-every", "0")
 
 
 def test_a_state_of_another_model_is_refused(tmp_path):
