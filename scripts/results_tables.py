@@ -7,9 +7,11 @@ run in its own folder under `--output`.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import dllm
+from dllm.errors import DllmError
 from dllm.eval.harness import evaluate
 from dllm.eval.synthetic import FAMILIES
 
@@ -19,7 +21,7 @@ ARCH_DEFAULTS = {"llada": {"delimiter_threshold": 0.3, "draft_steps": 4},
 
 
 def sampler_points(arch: str) -> list[tuple[str, str, dict]]:
-    d = ARCH_DEFAULTS[arch]
+    d = ARCH_DEFAULTS.get(arch, ARCH_DEFAULTS["llada"])
     return [("low_confidence", "low_confidence", {}), ("random", "random", {}),
             ("threshold 0.9", "threshold", {"threshold": 0.9}), ("factor 1.0", "factor", {}),
             ("origin", "origin", {}), ("maskgit_plus", "maskgit_plus", {}), ("topk_margin", "topk_margin", {}),
@@ -32,10 +34,20 @@ def sampler_points(arch: str) -> list[tuple[str, str, dict]]:
 
 CACHE_POINTS = [("none", "threshold", "none"), ("prefix", "threshold", "prefix"), ("dual", "threshold", "dual"),
                 ("dkv", "threshold", "dkv"), ("dkv_greedy (random sampler)", "random", "dkv_greedy"),
-                ("elastic", "threshold", "elastic")]
+                ("elastic", "threshold", "elastic"), ("block", "threshold", "block")]  # block: block-causal models
 
 
-def run(model, tok, name, out: Path, sampler, cache, sampler_args, args) -> dict:
+def run(model, tok, name, out: Path, sampler, cache, sampler_args, args) -> dict | str:
+    """The summary of one configuration, or why the model refuses it (a row that says so)."""
+    try:
+        return _evaluate(model, tok, name, out, sampler, cache, sampler_args, args)
+    except DllmError as e:
+        if not str(e).startswith(("sampler ", "cache ")):
+            raise
+        return str(e)
+
+
+def _evaluate(model, tok, name, out: Path, sampler, cache, sampler_args, args) -> dict:
     return evaluate(model, tok, "synthetic", sampler, cache, gen_length=args.gen_length,
                     block_length=args.block_length, limit=args.limit, batch_size=args.batch_size,
                     output=out / name.replace(" ", "_"), sampler_args=sampler_args, model_name=args.model)
@@ -46,12 +58,20 @@ def main() -> None:
     ap.add_argument("--model", default="tiny-llada")
     ap.add_argument("--output", default="runs/tables")
     ap.add_argument("--gen-length", type=int, default=64)
-    ap.add_argument("--block-length", type=int, default=32)
+    ap.add_argument("--block-length", type=int, default=None, help="(default: the model's, else 32)")
     ap.add_argument("--batch-size", type=int, default=50)
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--only", choices=("samplers", "caches"), default=None)
     args = ap.parse_args()
+    try:
+        print(tables(args))
+    except DllmError as e:
+        sys.exit(f"error: {e}")
+
+
+def tables(args) -> str:
     model, tok = dllm.load(args.model)
+    args.block_length = dllm.engine.decoding_lengths(model, args.gen_length, args.block_length)["block_length"]
     out = Path(args.output) / args.model
     lines = []
     if args.only != "caches":
@@ -60,6 +80,9 @@ def main() -> None:
                   "|---" * (5 + len(FAMILIES)) + "|"]
         for name, sampler, sampler_args in sampler_points(model.config.arch):
             s = run(model, tok, name, out / "samplers", sampler, "none", sampler_args, args)
+            if isinstance(s, str):
+                lines.append(f"| {name} | refused: {s} |")
+                continue
             fam = " | ".join(f"{100 * s['per_group_accuracy'][f]:.1f}" for f in FAMILIES)
             lines.append(f"| {name} | {100 * s['accuracy']:.1f} | {fam} | {s['nfe_mean']:.1f} | {s['tpf']:.2f} | "
                          f"{s['tokens_per_second']:.0f} |")
@@ -72,10 +95,13 @@ def main() -> None:
         for name, sampler, cache in CACHE_POINTS:
             s = run(model, tok, name, out / "caches", sampler, cache, {"threshold": 0.9} if sampler == "threshold"
                     else {}, args)
+            if isinstance(s, str):
+                lines.append(f"| {name} | refused: {s} |")
+                continue
             base = base or s["rows_per_layer_mean"]
             lines.append(f"| {name} | {100 * s['accuracy']:.1f} | {s['nfe_mean']:.1f} | {s['tpf']:.2f} | "
                          f"{s['rows_per_layer_mean'] / base:.3f} | {s['tokens_per_second']:.0f} |")
-    print("\n".join(lines))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

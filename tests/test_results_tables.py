@@ -1,0 +1,17 @@
+"""scripts/results_tables.py on a block-causal model: what the model refuses is a row saying why, not a crash."""
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import results_tables  # noqa: E402
+
+
+def test_tables_of_a_block_causal_model_say_what_it_refuses(tmp_path):
+    args = Namespace(model="tiny-sdar", output=str(tmp_path), gen_length=8, block_length=None, batch_size=2, limit=2,
+                     only="caches")
+    table = results_tables.tables(args).splitlines()
+    assert "Caches on tiny-sdar (threshold 0.9, gen 8, block 4):" in table
+    rows = {line.split(" | ")[0].removeprefix("| "): line for line in table if line.startswith("| ")}
+    assert "refused: cache 'dkv' chooses rows for full attention" in rows["dkv"]
+    assert rows["block"].split(" | ")[1].replace(".", "").isdigit()  # an accuracy: the block cache ran
