@@ -764,16 +764,22 @@ def decoding_lengths(model: DiffusionLM, gen_length: int | None = None, block_le
     """gen_length, block_length and steps to decode with: the caller's, else the model directory's
     (`generation_config.json`), else ours (block_length: a block-causal model's attention block). Validated, so a
     bad value fails before any work."""
-    own = getattr(model, "generation_defaults", {})
-    from_file = [name for name, given in (("gen_length", gen_length), ("block_length", block_length))
-                 if given is None and name in own] + (["steps"] if steps is None and gen_length is None
-                                                      and "steps" in own else [])
-    gen_length = own.get("gen_length", DEFAULT_GEN_LENGTH) if gen_length is None else gen_length
+    own, from_file = getattr(model, "generation_defaults", {}), []
+
+    def from_own(name: str, given):
+        if given is None and name in own:
+            from_file.append(name)
+            return own[name]
+        return given
+
+    gen_length = from_own("gen_length", gen_length)
+    gen_length = DEFAULT_GEN_LENGTH if gen_length is None else gen_length
+    block_length = from_own("block_length", block_length)
     if block_length is None:  # a block-causal model decodes in its attention blocks; others in blocks of 32, or
         # of the largest size below that divides the answer (gen_length 48 alone: blocks of 24)
-        block_length = own.get("block_length") or model.config.block_size or _default_block(gen_length)
-    if steps is None and gen_length == own.get("gen_length"):  # the file's steps belong to the file's length
-        steps = own.get("steps")
+        block_length = model.config.block_size or _default_block(gen_length)
+    if "gen_length" in from_file:  # the file's steps belong to the file's length
+        steps = from_own("steps", steps)
     size = model.config.block_size
     if size and block_length == size and isinstance(gen_length, int) and gen_length > 0 and gen_length % size:
         raise DllmError(f"gen_length ({gen_length}) must be a multiple of the model's attention block ({size}); "
