@@ -138,14 +138,18 @@ def check_seed(seed: Any) -> int:
     return check_int("seed", seed, 0, MAX_SEED)
 
 
-def check_lengths(gen_length: int, block_length: int, steps: int | None) -> int:
-    """Validate the block layout; return steps per block."""
+def check_lengths(gen_length: int, block_length: int, steps: int | None, model_block: bool = False) -> int:
+    """Validate the block layout; return steps per block. `model_block`: the block is a block-causal model's
+    attention block, so only gen_length can change."""
     check_int("gen_length", gen_length)
     check_int("block_length", block_length)
     if steps is not None:
         check_int("steps", steps)
     if gen_length < 1 or block_length < 1:
         raise DllmError(f"gen_length ({gen_length}) and block_length ({block_length}) must be positive")
+    if gen_length % block_length and model_block:
+        raise DllmError(f"gen_length ({gen_length}) must be a multiple of the model's attention block "
+                        f"({block_length}); e.g. gen_length {-(-gen_length // block_length) * block_length}")
     if gen_length % block_length:
         raise DllmError(f"gen_length ({gen_length}) must be a multiple of block_length ({block_length}); "
                         f"e.g. gen_length {gen_length // block_length * block_length or block_length} "
@@ -614,10 +618,9 @@ def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache
            trace: bool = False, profile: bool = False, callback: Callable[[dict], None] | None = None,
            compile: bool = False) -> tuple[Canvas, Stats, list[dict] | None]:
     """Decode token-id prompts as one fixed batch (every row seeded with `seed`, or row i with `seed[i]`); returns
-    the final canvas,
-    statistics and (optionally) a per-step trace. `profile` times every forward (synchronizing the device) into
-    `stats.forward_seconds` by kind: `full` (every canvas row computed), `cached` (the other rows read from the
-    cache), `verify` (draft batches). See `Batch` for `callback` and `compile`."""
+    the final canvas, statistics and (optionally) a per-step trace. `profile` times every forward (synchronizing
+    the device) into `stats.forward_seconds` by kind: `full` (every canvas row computed), `cached` (the other
+    rows read from the cache), `verify` (draft batches). See `Batch` for `callback` and `compile`."""
     steps_per_block = check_lengths(gen_length, block_length, steps)
     Canvas.check(model, prompts, gen_length)  # every prompt's error before any work
     batch = Batch(model, sampler, cache, block_length, steps_per_block, stop_early, trace, profile, callback, compile)
@@ -780,12 +783,8 @@ def decoding_lengths(model: DiffusionLM, gen_length: int | None = None, block_le
         block_length = model.config.block_size or _default_block(gen_length)
     if "gen_length" in from_file:  # the file's steps belong to the file's length
         steps = from_own("steps", steps)
-    size = model.config.block_size
-    if size and block_length == size and isinstance(gen_length, int) and gen_length > 0 and gen_length % size:
-        raise DllmError(f"gen_length ({gen_length}) must be a multiple of the model's attention block ({size}); "
-                        f"e.g. gen_length {-(-gen_length // size) * size}")
     try:
-        check_lengths(gen_length, block_length, steps)
+        check_lengths(gen_length, block_length, steps, model_block=block_length == model.config.block_size)
     except DllmError as e:
         if not from_file:
             raise
@@ -847,13 +846,12 @@ def generate(model: DiffusionLM, tokenizer, prompts, sampler: str | Sampler = "l
     `params` go to the sampler or the cache by name (e.g. `threshold=0.9`, `temperature=0.5`,
     `refresh_every=4`); a name both take goes in `sampler_args`/`cache_args`. Every row draws from its own
     generator seeded with `seed` (a row equals its prompt alone), or with `seed[i]`: several samples of one
-    prompt in one batch take a list of seeds. `cache` defaults to
-    `default_cache(model)` (block-causal models: `block`; others: `none`). gen_length and block_length
-    default to the model directory's `generation_config.json`, else 64 and 32 (or the largest block below 32
-    that divides gen_length); steps to gen_length (one token
-    per step for schedule-driven samplers). `callback` is called after every step (see `decode`). `compile`
-    runs the model under `torch.compile` (caches none, prefix, dual, block; the first calls compile, minutes on a
-    CPU for a large model)."""
+    prompt in one batch take a list of seeds. `cache` defaults to `default_cache(model)` (block-causal models:
+    `block`; others: `none`). gen_length and block_length default to the model directory's
+    `generation_config.json`, else 64 and 32 (or the largest block below 32 that divides gen_length); steps to
+    gen_length (one token per step for schedule-driven samplers). `callback` is called after every step (see
+    `decode`). `compile` runs the model under `torch.compile` (caches none, prefix, dual, block; the first calls
+    compile, minutes on a CPU for a large model)."""
     sampler, cache, lengths, ids = _prepare(model, tokenizer, prompts, sampler, cache, gen_length, block_length,
                                             steps, seed, chat, dict(stop_early=stop_early, trace=trace,
                                                                     compile=compile), sampler_args, cache_args, params)

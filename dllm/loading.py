@@ -321,8 +321,8 @@ def load_weights(model: DiffusionLM, path: Path, table: dict[str, str]) -> None:
         raise DllmError(f"the {model.config.arch} name table fills no {sorted(unfilled)[0]}; this is a bug in dllm")
     files = _shard_files(path)
     missing = sorted(set(names) - set(files))
-    head_copies = {ckpt for ckpt, ours in table.items() if ours == "lm_head.weight"} if model.config.tied_head else set()
-    unexpected = sorted(set(files) - set(names) - head_copies)  # a tied checkpoint may still hold its head
+    tied = {ckpt for ckpt, ours in table.items() if ours == "lm_head.weight" and model.config.tied_head}
+    unexpected = sorted(set(files) - set(names) - tied)  # a tied checkpoint may still hold its head
     if missing or unexpected:
         detail = (f"missing {len(missing)} tensors (first: {missing[0]})" if missing else "") + \
                  (("; " if missing else "") + f"unexpected {len(unexpected)} (first: {unexpected[0]})" if unexpected else "")

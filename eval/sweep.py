@@ -78,13 +78,12 @@ def run_sweep(model, tokenizer, task: str, points: list[str], output: str | Path
         point_cache = point.pop("cache", cache)
         s, c = split_params(point_sampler, point_cache, point, sampler_args if point_sampler == sampler else None,
                             cache_args if point_cache == cache else None)
-        if model is not None:
-            check_policies(model, s, c, eval_args.get("compile", False))
+        check_policies(model, s, c, eval_args.get("compile", False))
         policies.append((spec, s, c))
-    if model is not None:  # a warm-up decode, so that the first point's tokens/s does not pay for it
-        block = decoding_lengths(model, eval_args.get("gen_length"), eval_args.get("block_length"))["block_length"]
-        generate(model, tokenizer, [[model.config.filler_id]], policies[0][1], policies[0][2], gen_length=block,
-                 block_length=block, chat=False, compile=eval_args.get("compile", False))
+    # a warm-up decode, so that the first point's tokens/s does not pay for it
+    block = decoding_lengths(model, eval_args.get("gen_length"), eval_args.get("block_length"))["block_length"]
+    generate(model, tokenizer, [[model.config.filler_id]], policies[0][1], policies[0][2], gen_length=block,
+             block_length=block, chat=False, compile=eval_args.get("compile", False))
     rows = []
     for spec, s, c in policies:
         summary = evaluate(model, tokenizer, task, s, c, output=output / _slug(spec), **eval_args)

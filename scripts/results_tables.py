@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import dllm
+from dllm.engine import check_policies, decoding_lengths, split_params
 from dllm.errors import DllmError
 from dllm.eval.harness import evaluate
 from dllm.eval.synthetic import FAMILIES
@@ -39,18 +40,14 @@ CACHE_POINTS = [("none", "threshold", "none"), ("prefix", "threshold", "prefix")
 
 def run(model, tok, name, out: Path, sampler, cache, sampler_args, args) -> dict | str:
     """The summary of one configuration, or why the model refuses it (a row that says so)."""
+    sampler, cache = split_params(sampler, cache, {}, sampler_args)
     try:
-        return _evaluate(model, tok, name, out, sampler, cache, sampler_args, args)
+        check_policies(model, sampler, cache)
     except DllmError as e:
-        if not str(e).startswith(("sampler ", "cache ")):
-            raise
         return str(e)
-
-
-def _evaluate(model, tok, name, out: Path, sampler, cache, sampler_args, args) -> dict:
     return evaluate(model, tok, "synthetic", sampler, cache, gen_length=args.gen_length,
                     block_length=args.block_length, limit=args.limit, batch_size=args.batch_size,
-                    output=out / name.replace(" ", "_"), sampler_args=sampler_args, model_name=args.model)
+                    output=out / name.replace(" ", "_"), model_name=args.model)
 
 
 def main() -> None:
@@ -71,7 +68,7 @@ def main() -> None:
 
 def tables(args) -> str:
     model, tok = dllm.load(args.model)
-    args.block_length = dllm.engine.decoding_lengths(model, args.gen_length, args.block_length)["block_length"]
+    args.block_length = decoding_lengths(model, args.gen_length, args.block_length)["block_length"]
     out = Path(args.output) / args.model
     lines = []
     if args.only != "caches":

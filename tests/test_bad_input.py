@@ -138,8 +138,8 @@ API_CASES = [
     (dict(prompts=[[-1, 5]]), "token id -1, outside the model's vocabulary"),
     (dict(prompts=[[]]), "prompt 0 is empty"),
     (dict(prompts=["caf\udcff"]), "prompt 0 is not valid UTF-8"),
-    (dict(prompts=["copy: ab<|eot_id|>x"], chat=True), "prompt 0 contains the special token '<|eot_id|>', which the chat "
-                                             "template would read as a control token"),
+    (dict(prompts=["copy: ab<|eot_id|>x"], chat=True),
+     "prompt 0 contains the special token '<|eot_id|>', which the chat template would read as a control token"),
     (dict(gen_length="64"), "gen_length must be an integer, got '64'"),
     (dict(gen_length=48.5), "gen_length must be an integer, got 48.5"),
     (dict(gen_length=True), "gen_length must be an integer, got True"),

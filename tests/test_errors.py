@@ -283,7 +283,8 @@ def test_sampler_whose_commits_differ_from_its_verified_draft_is_an_error(tiny):
 
 
 def test_corrupt_dream_tokenizer_is_one_line(tmp_path):
-    """Dream's tokenizer falls back to Qwen2Tokenizer (its own class is remote code); that fallback fails in one line."""
+    """Dream's tokenizer falls back to Qwen2Tokenizer (its own class is remote code); that fallback fails in one
+    line."""
     import shutil
     from dllm.loading import SHIPPED_DIR
     path = tmp_path / "dream"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .moe import swiglu_names
-from .transformer import ModelConfig, eos_ids
+from .transformer import ModelConfig, end_ids
 
 MODEL_TYPE = "Dream"
 TOKENIZER_STYLE = "dream"  # of the character tokenizer a random: model gets
@@ -30,15 +30,14 @@ def config_from_hf(hf: dict, end_of_turn_id: int | None = None) -> ModelConfig:
         raise ValueError("config.json has use_sliding_window=true; this implementation needs full attention")
     if hf.get("rope_scaling"):
         raise ValueError(f"config.json has rope_scaling={hf['rope_scaling']!r}; only default RoPE is supported")
-    eos = eos_ids(hf, 151643)
-    eot = end_of_turn_id if end_of_turn_id is not None else 151645
     return ModelConfig(
         arch="dream", vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
         intermediate_size=hf["intermediate_size"], n_layers=hf["num_hidden_layers"],
         n_heads=hf["num_attention_heads"], n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=hf.get("rope_theta", 1000000.0), qkv_bias=True,
-        logit_shift=1, mask_id=hf.get("mask_token_id", 151666), pad_id=hf.get("pad_token_id", eos[0]),
-        stop_ids=tuple(sorted({*eos, eot})), filler_id=eos[0], max_length=min(hf.get("max_position_embeddings", 2048), 2048))
+        logit_shift=1, mask_id=hf.get("mask_token_id", 151666),
+        max_length=min(hf.get("max_position_embeddings", 2048), 2048),
+        **end_ids(hf, 151643, 151645 if end_of_turn_id is None else end_of_turn_id))
 
 
 def hf_config(cfg: ModelConfig) -> dict:

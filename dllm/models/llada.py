@@ -1,7 +1,7 @@
 """LLaDA (GSAI-ML/LLaDA-8B-*): OLMo-style checkpoint names, MHA, no bias, aligned logits (spec `models.md` 1.1, 2.1)."""
 from __future__ import annotations
 
-from .transformer import ModelConfig, eos_ids
+from .transformer import ModelConfig, end_ids
 
 MODEL_TYPE = "llada"
 TOKENIZER_STYLE = "llada"  # of the character tokenizer a random: model gets
@@ -16,7 +16,8 @@ WEIGHT_NAMES = {
     "model.transformer.blocks.{i}.q_proj.weight": "layers.{i}.qkv_proj.weight:q",  # :shard = rows of a fused one
     "model.transformer.blocks.{i}.k_proj.weight": "layers.{i}.qkv_proj.weight:k",
     "model.transformer.blocks.{i}.v_proj.weight": "layers.{i}.qkv_proj.weight:v",
-    **{f"model.transformer.blocks.{{i}}.{p}_proj.bias": f"layers.{{i}}.qkv_proj.bias:{p}" for p in "qkv"},  # include_qkv_bias
+    **{f"model.transformer.blocks.{{i}}.{p}_proj.bias": f"layers.{{i}}.qkv_proj.bias:{p}"  # include_qkv_bias
+       for p in "qkv"},
     "model.transformer.blocks.{i}.attn_out.weight": "layers.{i}.o_proj.weight",
     "model.transformer.blocks.{i}.ff_norm.weight": "layers.{i}.mlp_norm.weight",
     "model.transformer.blocks.{i}.ff_proj.weight": "layers.{i}.gate_up_proj.weight:gate",  # the silu branch
@@ -37,16 +38,14 @@ def config_from_hf(hf: dict, end_of_turn_id: int | None = None) -> ModelConfig:
     if hf.get("rope_scaling"):
         raise ValueError(f"config.json has rope_scaling={hf['rope_scaling']!r}; only default RoPE is supported")
     n_heads = hf["n_heads"]
-    eos = eos_ids(hf, 126081)
-    eot = end_of_turn_id if end_of_turn_id is not None else 126348
     return ModelConfig(
         arch="llada", vocab_size=hf.get("embedding_size") or hf["vocab_size"], hidden_size=hf["d_model"],
         intermediate_size=hf.get("mlp_hidden_size") or hf["mlp_ratio"] * hf["d_model"],
         n_layers=hf["n_layers"], n_heads=n_heads, n_kv_heads=hf.get("n_kv_heads") or n_heads,
         rms_norm_eps=hf.get("rms_norm_eps", 1e-5), rope_theta=hf.get("rope_theta", 10000.0),
         qkv_bias=bool(hf.get("include_qkv_bias", False)), logit_shift=0,
-        mask_id=hf.get("mask_token_id", 126336), pad_id=hf.get("pad_token_id", eos[0]),
-        stop_ids=tuple(sorted({*eos, eot})), filler_id=eos[0], max_length=hf.get("max_sequence_length", 4096))
+        mask_id=hf.get("mask_token_id", 126336), max_length=hf.get("max_sequence_length", 4096),
+        **end_ids(hf, 126081, 126348 if end_of_turn_id is None else end_of_turn_id))
 
 
 def hf_config(cfg: ModelConfig) -> dict:

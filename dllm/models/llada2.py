@@ -6,7 +6,7 @@ blocks of 32 (dFactory's `generate`), position-aligned logits."""
 from __future__ import annotations
 
 from .moe import MoEConfig, swiglu_names
-from .transformer import ModelConfig, block_size_of, eos_ids
+from .transformer import ModelConfig, block_size_of, end_ids
 
 MODEL_TYPE = "llada2_moe"
 HF_CLASSES = ("LLaDA2MoeModelLM",)
@@ -45,8 +45,6 @@ def config_from_hf(hf: dict, end_of_turn_id: int | None = None) -> ModelConfig:
             raise ValueError(f"config.json has {key}={hf[key]!r}; this LLaDA2 implementation needs {want!r}")
     heads, head_dim = hf["num_attention_heads"], hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     rotary = hf.get("rotary_dim") or int(head_dim * hf.get("partial_rotary_factor", 1.0))
-    eos = eos_ids(hf, 156892)
-    stops = {*eos, end_of_turn_id if end_of_turn_id is not None else eos[0]}
     shared = hf.get("num_shared_experts") or 0
     moe = MoEConfig(n_experts=hf["num_experts"], top_k=hf["num_experts_per_tok"],
                     expert_size=hf["moe_intermediate_size"], shared_size=shared * hf["moe_intermediate_size"],
@@ -59,7 +57,7 @@ def config_from_hf(hf: dict, end_of_turn_id: int | None = None) -> ModelConfig:
         intermediate_size=hf["intermediate_size"], n_layers=hf["num_hidden_layers"], n_heads=heads,
         n_kv_heads=hf.get("num_key_value_heads") or heads, rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope_theta=hf.get("rope_theta", 600000.0), qkv_bias=False, logit_shift=0, mask_id=hf["mask_token_id"],
-        pad_id=hf.get("pad_token_id", eos[0]), stop_ids=tuple(sorted(stops)), filler_id=eos[0],
+        **end_ids(hf, 156892, end_of_turn_id),
         max_length=hf.get("max_position_embeddings", 32768), head_size=head_dim, qk_norm=True,
         block_size=block_size_of(hf, "block_size", BLOCK_SIZE), rotary_dim=rotary, moe=moe)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from . import dream, sdar
 from .moe import MoEConfig, swiglu_names
-from .transformer import ModelConfig, eos_ids
+from .transformer import ModelConfig, end_ids
 
 MODEL_TYPE = "llada"  # as LLaDA's: `dllm.models.architecture_of` tells them apart by class and `num_experts`
 HF_CLASSES = ("LLaDAMoEModelLM", "FusedLLaDAMoEModelLM")
@@ -38,8 +38,6 @@ def config_from_hf(hf: dict, end_of_turn_id: int | None = None) -> ModelConfig:
                          f"followed by MoE layers are supported")
     heads, d = hf["num_attention_heads"], hf["hidden_size"]
     head_dim = hf.get("head_dim") or d // heads
-    eos = eos_ids(hf, 156892)
-    stops = {*eos, end_of_turn_id if end_of_turn_id is not None else eos[0]}
     moe = MoEConfig(n_experts=hf["num_experts"], top_k=hf["num_experts_per_tok"],
                     expert_size=hf["expert_intermediate_size"],
                     shared_size=hf.get("shared_expert_intermediate_size") or 0, dense_layers=dense,
@@ -49,8 +47,8 @@ def config_from_hf(hf: dict, end_of_turn_id: int | None = None) -> ModelConfig:
         intermediate_size=hf.get("dense_intermediate_size") or 0, n_layers=layers, n_heads=heads,
         n_kv_heads=hf.get("num_key_value_heads") or heads, rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
         rope_theta=hf["rope_theta"], qkv_bias=bool(hf.get("attention_bias")), logit_shift=0,
-        mask_id=hf.get("mask_token_id", 156895), pad_id=hf.get("pad_token_id", eos[0]), stop_ids=tuple(sorted(stops)),
-        filler_id=eos[0], max_length=hf.get("max_position_embeddings", 4096), head_size=head_dim,
+        mask_id=hf.get("mask_token_id", 156895), **end_ids(hf, 156892, end_of_turn_id),
+        max_length=hf.get("max_position_embeddings", 4096), head_size=head_dim,
         qk_norm=bool(hf.get("qk_layernorm", True)),
         rotary_dim=int(head_dim * (hf.get("partial_rotary_factor") or 1.0)), moe=moe)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from . import dream
 from .moe import MoEConfig, swiglu_names
-from .transformer import ModelConfig, block_size_of, eos_ids
+from .transformer import ModelConfig, block_size_of, end_ids
 
 MODEL_TYPE = "sdar"
 HF_CLASSES = ("SDARForCausalLM", "SDARMoeForCausalLM")
@@ -39,15 +39,13 @@ def config_from_hf(hf: dict, end_of_turn_id: int | None = None) -> ModelConfig:
     for key in ("attention_bias", "use_sliding_window", "rope_scaling"):
         if hf.get(key):
             raise ValueError(f"config.json has {key}={hf[key]!r}; this SDAR implementation does not support it")
-    eos = eos_ids(hf, 151643)
-    eot = end_of_turn_id if end_of_turn_id is not None else 151645
     heads = hf["num_attention_heads"]
     return ModelConfig(
         arch="sdar", vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
         intermediate_size=hf["intermediate_size"], n_layers=hf["num_hidden_layers"], n_heads=heads,
         n_kv_heads=hf.get("num_key_value_heads") or heads, rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope_theta=hf.get("rope_theta", 1000000.0), qkv_bias=False, logit_shift=0, mask_id=hf["mask_token_id"],
-        pad_id=hf.get("pad_token_id", eos[0]), stop_ids=tuple(sorted({*eos, eot})), filler_id=eos[0],
+        **end_ids(hf, 151643, 151645 if end_of_turn_id is None else end_of_turn_id),
         max_length=hf.get("max_position_embeddings", 32768), head_size=hf.get("head_dim") or 0, qk_norm=True,
         block_size=block_size_of(hf, "block_size"), moe=_moe(hf),
         tied_head=bool(hf.get("tie_word_embeddings")))  # SDAR-1.7B, as Qwen3-1.7B

@@ -142,13 +142,16 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype) * self.weight
 
 
-def eos_ids(hf: dict, default: int) -> tuple[int, ...]:
-    """`eos_token_id` of a config.json: one id or a list of them (every one ends an answer; the first fills)."""
-    value = hf.get("eos_token_id", default)
+def end_ids(hf: dict, eos: int, end_of_turn: int | None) -> dict:
+    """`pad_id`, `stop_ids` and `filler_id` of a config.json. `eos_token_id` (else `eos`) is one id or a list:
+    every one ends an answer and the first fills the canvas after it; the end-of-turn token ends an answer too;
+    the pad id defaults to the first."""
+    value = hf.get("eos_token_id", eos)
     ids = tuple(value) if isinstance(value, list) else (value,)
     if not ids or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
         raise ValueError(f"eos_token_id must be a token id or a list of them, got {value!r}")
-    return ids
+    turn = () if end_of_turn is None else (end_of_turn,)
+    return {"pad_id": hf.get("pad_token_id", ids[0]), "stop_ids": tuple(sorted({*ids, *turn})), "filler_id": ids[0]}
 
 
 def block_size_of(hf: dict, key: str, default: int | None = None) -> int:
