@@ -102,6 +102,16 @@ def _stop_start(text: str, stops: list[str]) -> int:
     return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
 
 
+def _tokens_through_stop(tokenizer, ids: list[int], stops: list[str]) -> int:
+    """How many of `ids` it takes for the text to contain one of `stops` (as vLLM counts a stopped completion)."""
+    low, high = 1, len(ids)
+    while low < high:  # a stop found in a prefix stays found in every longer one
+        mid = (low + high) // 2
+        text = answer_text(tokenizer, ids[:mid])
+        low, high = (low, mid) if any(s in text for s in stops) else (mid + 1, high)
+    return low
+
+
 class Engine:
     """The decode loop's driver: admits waiting jobs between blocks, runs blocks, sends each job its new text."""
 
@@ -351,6 +361,8 @@ class Engine:
             batch.cancel(row)  # complete at max_tokens or a stop string: the row stops decoding
         job.delivered = True
         reason = "stop" if hits or stop_token and not over else "length"
+        if hits:  # tokens decoded past the stop string are not the answer's
+            ids = ids[:_tokens_through_stop(self.tokenizer, ids, job.stop)]
         usage = {"prompt_tokens": len(job.ids), "completion_tokens": len(ids), "total_tokens": len(job.ids) + len(ids)}
         job.send("done", text=job.text, finish_reason=reason, usage=usage)
         metrics = self.metrics

@@ -176,6 +176,7 @@ def test_a_stop_string_split_between_blocks_is_never_streamed(server):
     streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
     status, whole = post(server.url + "/v1/chat/completions", body)
     assert streamed == text_of(whole) == "#### ab"
+    assert whole["usage"]["completion_tokens"] == len("#### abcd")  # through the stop string, as vLLM counts
 
 
 def test_a_request_that_fails_to_join_fails_alone(tiny, monkeypatch):
