@@ -33,7 +33,7 @@ def attention_drift(before: Tensor, after: Tensor, rows_valid: Tensor, keys_vali
     """Elastic-Cache's similarity sigma per batch row: the mean cosine similarity of the tracked rows'
     attention `[B, H, R, Lk]` at the previous and the current step. `axis="keys"` compares each head's
     distribution over the keys (the paper); `"heads"` compares, at each key, the vector over heads (the authors'
-    LLaDA code). Only valid rows `[B, R]` and keys `[B, Lk]` count; NaN for a row with none."""
+    LLaDA and Dream code). Only valid rows `[B, R]` and keys `[B, Lk]` count; NaN for a row with none."""
     if axis == "keys":
         similarity = F.cosine_similarity(before, after, dim=-1)  # [B, H, R]
         weight = rows_valid[:, None, :].expand_as(similarity)
@@ -59,8 +59,10 @@ class ElasticCache(Cache):
     window_length: int | None = param(None, "beta: leftmost masked positions recomputed every step (None: 16 for "
                                       "LLaDA, 32 for Dream, the authors' scripts)", ge=1)
     track_num: int = param(1, "most-attended decoded tokens tracked per layer", ge=1)
-    drift_axis: str = param("keys", "similarity of each head's attention over keys (paper) or of each key's "
-                            "attention over heads (authors' LLaDA code)", choices=("keys", "heads"))
+    # The authors' LLaDA and Dream code, which produced the published numbers, compares over heads (spec 3.5 [E]);
+    # the paper's reading, over keys, is the option.
+    drift_axis: str = param("heads", "similarity of each key's attention over heads (authors' code) or of each "
+                            "head's attention over keys (paper)", choices=("heads", "keys"))
     force_full_from_layer: int | None = param(None, "also recompute every row from this layer on at every step "
                                               "(0: exactly no cache)", ge=0)
 
