@@ -66,6 +66,7 @@ class Sampler(Params):
     # prompt_length, nfe or total_steps), so rows at different blocks can share a batch (`dllm serve`)
     edits: ClassVar[bool] = False  # rewrites decoded tokens of the current block (`Commit.edit`, `Commit.again`)
     commits_past_block: ClassVar[bool] = False  # may commit masks of later blocks (Prophet's early exit)
+    reads_decoded_logits: ClassVar[bool] = False  # reads logits of decoded positions of its window (Prophet's gap)
     temperature: float = param(0.0, "sampling temperature (0 = greedy)", ge=0.0)
 
     def step(self, ctx: StepContext) -> Commit:
@@ -110,7 +111,8 @@ def gumbel_argmax(logits: Tensor, temperature: float, generators: list[torch.Gen
 
 def token_probability(logits: Tensor, tokens: Tensor) -> Tensor:
     """Softmax probability of `tokens` under the (noise-free) logits, as exp(logit - logsumexp) in fp32: no
-    float64 softmax over the whole vocabulary (the references' choice); equal to it within 5e-6 relative."""
+    float64 softmax over the whole vocabulary (the references' choice); equal to it within 5e-6 relative (a
+    confidence that close to a threshold may fall on the other side of it)."""
     logits = logits.float()
     return (logits.gather(-1, tokens[..., None])[..., 0] - logits.logsumexp(-1)).exp()
 

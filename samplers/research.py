@@ -75,8 +75,11 @@ class Prophet(Sampler):
     """Prophet (arXiv 2508.19982): when the mean top-1/top-2 logit gap of the answer region clears the phase
     threshold, commit every remaining mask with its argmax at once; otherwise step the base sampler.
 
-    The gap and the fill need logits of the whole generation, so under prefix/dual caches the computed
-    window widens to it (counted in rows_per_layer). Progress is forwards / total steps."""
+    The answer region is `answer_length` positions from `answer_start` in the generation, where the prompt
+    format puts the answer (the paper anchors "The answer is" at offsets 200-202 of 256 and reads 204-208);
+    without `answer_start` Prophet never exits, as the authors' `generate_earlyexit.py`. The gap and the fill
+    need logits of the whole generation, so under prefix/dual caches the computed window widens to it (counted
+    in rows_per_layer). Progress is forwards / total steps."""
 
     base: str = param("low_confidence", "base sampler for steps that do not exit",
                       choices=("low_confidence", "threshold"))
@@ -86,8 +89,8 @@ class Prophet(Sampler):
     late_threshold: float = param(2.5, "gap needed afterwards", ge=0.0)
     early_bound: float = param(0.33, "end of the early phase (fraction of steps)", ge=0.0, le=1.0)
     late_bound: float = param(0.67, "start of the late phase (fraction of steps)", ge=0.0, le=1.0)
-    answer_start: int | None = param(None, "answer window offset in the generation (None: the whole generation)",
-                                     ge=0)
+    answer_start: int | None = param(None, "offset in the generation where the answer is read (None: never exit, "
+                                     "as the reference)", ge=0)
     answer_length: int = param(5, "answer window length when answer_start is set", ge=1)
 
     def __post_init__(self):
@@ -98,8 +101,12 @@ class Prophet(Sampler):
     block_local: ClassVar[bool] = False  # looks at the whole answer and counts forwards
     commits_past_block: ClassVar[bool] = True
 
+    @property
+    def reads_decoded_logits(self) -> bool:  # the gap averages the whole region, decoded or not
+        return self.answer_start is not None
+
     def logit_window(self, prompt_length, length, start, end, step):
-        return prompt_length, length
+        return (start, end) if self.answer_start is None else (prompt_length, length)
 
     def phase_threshold(self, progress: float) -> float:
         if progress < self.early_bound:
@@ -108,11 +115,12 @@ class Prophet(Sampler):
 
     def step(self, ctx: StepContext) -> Commit:
         out = self._base.step(ctx)
+        if self.answer_start is None:
+            return out
         offset = ctx.positions - ctx.prompt_length
-        window = torch.ones_like(offset, dtype=torch.bool) if self.answer_start is None else \
-            (offset >= self.answer_start) & (offset < self.answer_start + self.answer_length)
+        window = (offset >= self.answer_start) & (offset < self.answer_start + self.answer_length)
         top2 = ctx.logits[:, window].float().topk(2, dim=-1).values
-        gap = (top2[..., 0] - top2[..., 1]).mean(-1)
+        gap = (top2[..., 0] - top2[..., 1]).mean(-1)  # NaN (never fires) for a region past the generation
         fire = gap >= self.phase_threshold((ctx.nfe + 1) / ctx.total_steps)
         return Commit(torch.where(fire[:, None], ctx.masked, out.mask), out.tokens, out.confidence)
 

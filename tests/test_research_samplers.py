@@ -9,6 +9,7 @@ from dllm import cache as caches
 from dllm import samplers
 from conftest import random_model
 from dllm.engine import decode
+from dllm.errors import DllmError
 from test_samplers import ctx_for, peaked
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
@@ -31,16 +32,27 @@ def same(a, b):
 
 
 @pytest.mark.parametrize("base,args", [("low_confidence", {}), ("threshold", {"threshold": 0.3})])
-def test_prophet_that_never_fires_is_its_base(model, base, args):
-    never = dict(early_threshold=1e9, mid_threshold=1e9, late_threshold=1e9)
+@pytest.mark.parametrize("never", [dict(answer_start=0, early_threshold=1e9, mid_threshold=1e9, late_threshold=1e9),
+                                   dict(early_threshold=0.0),  # no answer region: never exits, as the reference
+                                   dict(answer_start=32, early_threshold=0.0)])  # a region past the generation
+def test_prophet_that_never_fires_is_its_base(model, base, args, never):
     assert same(run(model, "prophet", base=base, **args, **never), run(model, base, **args))
 
 
 def test_prophet_fires_at_once_with_zero_threshold(model):
-    canvas, stats, _ = run(model, "prophet", early_threshold=0.0)
+    canvas, stats, _ = run(model, "prophet", answer_start=3, early_threshold=0.0)
     assert stats.nfe == 1 and not (canvas.tokens == model.config.mask_id).any()
     want, _, _ = run(model, "prophet", base="threshold", threshold=0.0, block=32)  # one-shot argmax of all masks
     assert torch.equal(canvas.tokens, want.tokens)
+
+
+def test_prophet_gap_under_a_cache_that_skips_decoded_rows_is_refused(model):
+    """dkv and elastic compute no logits for most decoded positions, whose gaps Prophet averages."""
+    for cache in ("dkv", "elastic"):
+        with pytest.raises(DllmError, match=f"sampler 'prophet' reads the logits of decoded tokens, which cache "
+                                            f"'{cache}' does not compute; use cache none, prefix or dual"):
+            run(model, "prophet", cache, answer_start=0)
+    run(model, "prophet", "dkv")  # without a region it reads no decoded logits
 
 
 def test_prophet_phases():
@@ -129,7 +141,6 @@ def test_adablock_shrinks_blocks_on_a_model(model):
 
 
 def test_adablock_without_tokenizer_is_a_clear_error(model):
-    from dllm.errors import DllmError
     with pytest.raises(DllmError, match="needs delimiter ids"):
         run(model, "adablock")
 

@@ -112,8 +112,9 @@ def test_stream_of_an_answer_filled_early_is_whole(name):
     still gives the whole answer."""
     model, tok = dllm.load(name)
     prompt = "add: 0457+0168"
-    s = dllm.stream(model, tok, prompt, "prophet", gen_length=64, block_length=16)
-    alone = dllm.generate(model, tok, [prompt], "prophet", gen_length=64, block_length=16)
+    args = dict(gen_length=64, block_length=16, answer_start=5)  # the answer follows "#### "
+    s = dllm.stream(model, tok, prompt, "prophet", **args)
+    alone = dllm.generate(model, tok, [prompt], "prophet", **args)
     assert "".join(s) == s.generation.texts[0] == alone.texts[0] and alone.texts[0].endswith("#### 625")
     assert s.generation.token_ids == alone.token_ids
 
