@@ -9,7 +9,12 @@ from dllm.params import param
 
 from . import register
 from .base import Commit, Sampler, StepContext, gumbel_argmax, token_probability, top_k_per_row
-from .fastdllm import threshold_commit
+
+
+def sampled_probability(logits, tokens, temperature: float):
+    """Probability of the sampled `tokens` under the distribution they were drawn from, softmax(logits / T),
+    as the confidence of SDAR's and Fast-dLLM v2's samplers (the plain softmax at T = 0)."""
+    return token_probability(logits / temperature if temperature else logits, tokens)
 
 
 @register("low_confidence_dynamic")
@@ -19,13 +24,14 @@ class LowConfidenceDynamic(Sampler):
     rule (inclusionAI/dFactory `generate`: the same rule at threshold 0.95, 32 steps per block of 32): commit
     every masked block position whose probability exceeds the threshold when there are at least the step's
     scheduled count of them, else the scheduled count of most probable ones. The schedule splits the block
-    evenly over the steps, the larger shares first; a step past the schedule commits what is left."""
+    evenly over the steps, the larger shares first; a step past the schedule commits what is left. At T > 0 the
+    probabilities are the tempered ones the tokens were drawn from, as in SDAR."""
 
     threshold: float = param(0.85, "commit positions above this probability (SDAR: 0.85, LLaDA2.0: 0.95)", ge=0.0)
 
     def step(self, ctx: StepContext) -> Commit:
         tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generators)
-        confidence = token_probability(ctx.logits, tokens)
+        confidence = sampled_probability(ctx.logits, tokens, self.temperature)
         size, eligible = ctx.block_end - ctx.block_start, ctx.eligible
         scheduled = size // ctx.steps + int(ctx.step < size % ctx.steps) if ctx.step < ctx.steps else size
         above = eligible & (confidence > self.threshold)
@@ -60,23 +66,26 @@ class SubBlock(Sampler):
     """Fast-dLLM v2's rule (NVlabs/Fast-dLLM `v2`, `small_block_size` 8, threshold 0.9): a block's first token
     comes alone from the logit of the position before it, as an autoregressive step (the reference reads it off
     the forward that caches the finished block; here the block-start forward, which the block cache also uses
-    to store the finished block, so the forwards are as many); then the block is decoded in sub-blocks, left to
-    right: inside the leftmost sub-block with masks, every position at or above the threshold and always the
-    most confident one."""
+    to store the finished block, so the forwards are as many; a block that the prompt ends in has no such step,
+    as in v2); then the block is decoded in sub-blocks, left to right: inside the leftmost sub-block with masks,
+    every position above the threshold and always the most confident one. At T > 0 confidences are the
+    tempered probabilities the tokens were drawn from."""
 
-    threshold: float = param(0.9, "commit positions whose probability reaches this (Fast-dLLM v2: 0.9)", ge=0.0)
+    threshold: float = param(0.9, "commit positions whose probability exceeds this (Fast-dLLM v2: 0.9)", ge=0.0)
     sub_block: int = param(8, "sub-block length, filled left to right (Fast-dLLM v2: 8)", ge=1)
     first_token: bool = param(True, "commit the block's first masked position alone at its first step")
 
     def step(self, ctx: StepContext) -> Commit:
         tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generators)
-        confidence = token_probability(ctx.logits, tokens)
+        confidence = sampled_probability(ctx.logits, tokens, self.temperature)
         offset = ctx.positions - ctx.block_start  # [C]
         first = torch.where(ctx.eligible, offset, offset.max() + 1).amin(1, keepdim=True)  # leftmost mask
-        if self.first_token and ctx.step == 0:
-            return Commit(ctx.eligible & (offset == first), tokens, confidence)
         current = ctx.eligible & (offset // self.sub_block == first // self.sub_block)
-        return Commit(threshold_commit(confidence, current, self.threshold), tokens, confidence)
+        best = top_k_per_row(confidence, current, torch.ones_like(first[:, 0]))
+        mask = best | (current & (confidence > self.threshold))  # strictly above, as v2
+        if self.first_token and ctx.step == 0:  # a block that starts with a mask (not one shared with the prompt)
+            mask = torch.where(first == 0, ctx.eligible & (offset == first), mask)
+        return Commit(mask, tokens, confidence)
 
 
 @register("joint_threshold")

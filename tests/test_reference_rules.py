@@ -166,21 +166,41 @@ def test_entropy_bounded_equals_the_reference_rule(bound):
 
 
 def test_sub_block_commits_only_in_the_leftmost_open_sub_block():
-    """Fast-dLLM v2: after a block's first step, inside the leftmost sub-block with masks, every position at or
-    above the threshold and the most confident one; nothing in later sub-blocks."""
+    """Fast-dLLM v2: after a block's first step, inside the leftmost sub-block with masks, every position above
+    the threshold (strictly: `x1_p > threshold`) and the most confident one; nothing in later sub-blocks. At a
+    block's first step, a block that starts with a mask commits that position alone (the autoregressive step);
+    one that the prompt ends in (v2: a prompt not a multiple of the block) takes the sub-block rule at once."""
     g = torch.Generator().manual_seed(8)
     logits = torch.randn(300, C, V, generator=g) * 6
+    logits[:5] = 0.0  # every probability exactly 1 / V: on the bar
     eligible = torch.rand(300, C, generator=g) < 0.5
     eligible[:, -1] = True
     ctx = StepContext(logits, eligible, eligible.clone(), torch.arange(C), torch.zeros(300, C, dtype=torch.long),
                       1, 4, 0, [None] * 300, 0, 4, 0, C, 0, SimpleNamespace())
-    ours = samplers.SAMPLERS.create("sub_block", sub_block=3, threshold=0.6).step(ctx).mask
-    ctx.step = 0  # a block's first step: its first masked position alone, the autoregressive step
-    first = samplers.SAMPLERS.create("sub_block", sub_block=3, threshold=0.6).step(ctx).mask
-    assert torch.equal(first, eligible & (eligible.cumsum(1) == 1))
+    threshold = token_probability(logits[:1, :1], torch.zeros(1, 1, dtype=torch.long)).item()  # 1 / V
+    ours = samplers.SAMPLERS.create("sub_block", sub_block=3, threshold=threshold).step(ctx).mask
+    ctx.step = 0
+    first = samplers.SAMPLERS.create("sub_block", sub_block=3, threshold=threshold).step(ctx).mask
+    starts = eligible[:, 0]
+    assert torch.equal(first[starts], (eligible & (eligible.cumsum(1) == 1))[starts])
+    assert torch.equal(first[~starts], ours[~starts]) and (~starts).sum() > 100
     conf = token_probability(logits, logits.argmax(-1))
     for b in range(300):
         first = int(eligible[b].nonzero()[0]) // 3
         current = [i for i in range(C) if eligible[b, i] and i // 3 == first]
         best = max(current, key=lambda i: (conf[b, i], -i))
-        assert {i for i in range(C) if ours[b, i]} == {i for i in current if conf[b, i] >= 0.6} | {best}
+        assert {i for i in range(C) if ours[b, i]} == {i for i in current if conf[b, i] > threshold} | {best}
+
+
+@pytest.mark.parametrize("name", ["low_confidence_dynamic", "sub_block"])
+def test_sampled_tokens_are_scored_by_the_tempered_distribution(name):
+    """SDAR and Fast-dLLM v2 draw at T > 0 from softmax(logits / T) and score the drawn token by its
+    probability there (SDAR `sample_with_temperature_topk_topp`, v2 `sample_with_top_p`)."""
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(4, C, V, generator=g) * 3
+    eligible = torch.ones(4, C, dtype=torch.bool)
+    ctx = StepContext(logits, eligible, eligible.clone(), torch.arange(C), torch.zeros(4, C, dtype=torch.long),
+                      1, 4, 0, [torch.Generator().manual_seed(b) for b in range(4)], 0, 4, 0, C, 0, SimpleNamespace())
+    out = samplers.SAMPLERS.create(name, temperature=0.5).step(ctx)
+    want = (logits / 0.5).double().softmax(-1).gather(-1, out.tokens[..., None])[..., 0]
+    assert torch.allclose(out.confidence.double(), want, rtol=1e-5)
