@@ -573,7 +573,8 @@ class Batch:
                 positions=positions, canvas=canvas.tokens, step=step, steps=self.steps_per_block, block=block,
                 generators=generators, nfe=stats.nfe - 1, total_steps=total_steps, block_start=start,
                 block_end=end, prompt_length=prompt_length, state=self.state,
-                forward=verify if sampler.drafts else None, editable=editable)
+                forward=verify if sampler.drafts else None, editable=editable,
+                family="dream" if cfg.logit_shift else "llada")
             if step == 0:  # the block-start forward may move the block end (AdaBlock)
                 end = sampler.block_end(ctx)
                 if not start < end <= length:

@@ -43,6 +43,7 @@ class StepContext:
     # on each draft, in one counted forward (self-speculative verification; samplers with `drafts = True`)
     editable: Tensor | None = None  # [B, C] bool: decoded answer tokens of the current block, unfinished rows
     # (samplers with `edits = True`; never the prompt or another block)
+    family: str = "llada"  # "llada" (aligned logits) or "dream" (shifted), for defaults the papers set per family
 
 
 @dataclass

@@ -16,6 +16,8 @@ from . import SAMPLERS, register
 from .base import Commit, Sampler, StepContext, gumbel_argmax, token_probability
 from .fastdllm import threshold_commit
 
+DELIMITER_THRESHOLD = {"llada": 0.3, "dream": 0.5}  # AdaBlock's tau_D per model family
+
 
 @register("credit")
 @dataclass
@@ -133,8 +135,9 @@ class AdaBlock(Sampler):
     inside. Batch rows share block boundaries: the smallest block any row asks for is used."""
 
     threshold: float = param(0.9, "token commit threshold inside the block", ge=0.0)
-    delimiter_threshold: float = param(0.3, "delimiter confidence that sets the block end (paper: 0.3 LLaDA, "
-                                       "0.5 Dream; inf disables)", ge=0.0, allow_inf=True)
+    delimiter_threshold: float | None = param(None, "delimiter confidence that sets the block end (None: 0.3 for "
+                                              "LLaDA, 0.5 for Dream, the paper's; inf disables)", ge=0.0,
+                                              allow_inf=True)
     delimiters: str = param("\n", "characters whose tokens end a semantic step (resolved with the tokenizer)")
     delimiter_ids: str | None = param(None, "comma-separated token ids; overrides delimiters")
     window_fraction: float = param(0.25, "delimiter search window as a fraction of gen_length", gt=0.0, le=1.0)
@@ -176,18 +179,23 @@ class AdaBlock(Sampler):
         if self._ids is None:
             raise DllmError("sampler 'adablock' needs delimiter ids: decode through dllm.generate (which reads "
                             "them from the tokenizer) or set delimiter_ids")
-        length = ctx.canvas.shape[1]
-        window = (ctx.positions >= ctx.block_start) & \
-            (ctx.positions < ctx.block_start + self._window(ctx.prompt_length, length, ctx.block_start))
-        probs = torch.softmax(ctx.logits[:, window].double(), -1)
-        conf, pred = probs.max(-1)
-        conf = torch.where(torch.isin(pred, self._ids.to(pred.device)), conf, -1.0)
+        # one draw serves the block length and the block's first step, as the reference's `predicted_tokens`
+        tokens = ctx.state.block_start_tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generators)
+        size = self._window(ctx.prompt_length, ctx.canvas.shape[1], ctx.block_start)
+        if size < 1:  # gen_length < 4: no window, the default block
+            return ctx.block_end
+        window = (ctx.positions >= ctx.block_start) & (ctx.positions < ctx.block_start + size)
+        conf = token_probability(ctx.logits[:, window], tokens[:, window]).double()
+        conf = torch.where(torch.isin(tokens[:, window], self._ids.to(tokens.device)), conf, -1.0)
         best_conf, best = conf.max(-1)  # first maximum: ties go to the lowest position
-        ends = torch.where(best_conf >= self.delimiter_threshold, ctx.block_start + best + 1, ctx.block_end)
+        tau = DELIMITER_THRESHOLD[ctx.family] if self.delimiter_threshold is None else self.delimiter_threshold
+        ends = torch.where(best_conf >= tau, ctx.block_start + best + 1, ctx.block_end)
         active = ctx.masked.any(1)
         return int(ends[active].min()) if active.any() else ctx.block_end
 
     def step(self, ctx: StepContext) -> Commit:
-        tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generators)
+        tokens = ctx.state.__dict__.pop("block_start_tokens", None)
+        if tokens is None:
+            tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generators)
         confidence = token_probability(ctx.logits, tokens)
         return Commit(threshold_commit(confidence, ctx.eligible, self.threshold), tokens, confidence)

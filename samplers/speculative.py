@@ -19,6 +19,8 @@ from dllm.params import param
 from . import register
 from .base import Commit, Sampler, StepContext, token_probability, top_k_per_row
 
+DRAFT_STEPS = {"llada": 4, "dream": 8}  # FreeDave's K per model family
+
 
 def stepwise_choice(logits, eligible):
     """The stepwise decoder's next commit: argmax token at the most probable eligible position (ties: lowest
@@ -37,7 +39,8 @@ class Speculative(Sampler):
     low_confidence decoding at temperature 0, with fewer forwards."""
 
     drafts: ClassVar[bool] = True
-    draft_steps: int = param(4, "K: nested drafts verified per forward (FreeDave: 4 for LLaDA, 8 for Dream)", ge=1)
+    draft_steps: int | None = param(None, "K: nested drafts verified per forward (None: 4 for LLaDA, 8 for Dream, "
+                                    "FreeDave's)", ge=1)
 
     def __post_init__(self):
         super().__post_init__()
@@ -47,7 +50,7 @@ class Speculative(Sampler):
     def step(self, ctx: StepContext) -> Commit:
         first, tokens, confidence = stepwise_choice(ctx.logits, ctx.eligible)
         masks_left = int(ctx.eligible.sum(1).max())
-        n = min(self.draft_steps, masks_left - 1)  # a draft that fills the block needs no forward of its own
+        n = min(self.draft_steps or DRAFT_STEPS[ctx.family], masks_left - 1)  # a draft that fills the block needs no forward of its own
         if n < 1 or ctx.forward is None:
             return Commit(first, tokens, confidence)
         # draft k commits the top k+1 positions of this forward's ranking

@@ -15,22 +15,19 @@ from dllm.engine import check_policies, decoding_lengths, split_params
 from dllm.errors import DllmError
 from dllm.eval.harness import evaluate
 from dllm.eval.synthetic import FAMILIES
-
-# paper defaults that depend on the model: AdaBlock's delimiter threshold, FreeDave's draft count
-ARCH_DEFAULTS = {"llada": {"delimiter_threshold": 0.3, "draft_steps": 4},
-                 "dream": {"delimiter_threshold": 0.5, "draft_steps": 8}}
+from dllm.samplers.research import DELIMITER_THRESHOLD
+from dllm.samplers.speculative import DRAFT_STEPS
 
 
-def sampler_points(arch: str) -> list[tuple[str, str, dict]]:
-    d = ARCH_DEFAULTS.get(arch, ARCH_DEFAULTS["llada"])
+def sampler_points(family: str) -> list[tuple[str, str, dict]]:
+    """Every sampler at its paper defaults; Prophet reads the answer after the synthetic tasks' "#### " anchor."""
     return [("low_confidence", "low_confidence", {}), ("random", "random", {}),
             ("threshold 0.9", "threshold", {"threshold": 0.9}), ("factor 1.0", "factor", {}),
             ("origin", "origin", {}), ("maskgit_plus", "maskgit_plus", {}), ("topk_margin", "topk_margin", {}),
-            ("entropy", "entropy", {}), ("prophet", "prophet", {}), ("credit", "credit", {}),
-            ("localleap", "localleap", {}),
-            (f"adablock tau_D={d['delimiter_threshold']}", "adablock",
-             {"delimiter_threshold": d["delimiter_threshold"]}),
-            (f"speculative K={d['draft_steps']}", "speculative", {"draft_steps": d["draft_steps"]})]
+            ("entropy", "entropy", {}), ("prophet answer_start=5", "prophet", {"answer_start": 5}),
+            ("credit", "credit", {}), ("localleap", "localleap", {}),
+            (f"adablock tau_D={DELIMITER_THRESHOLD[family]}", "adablock", {}),
+            (f"speculative K={DRAFT_STEPS[family]}", "speculative", {})]
 
 
 CACHE_POINTS = [("none", "threshold", "none"), ("prefix", "threshold", "prefix"), ("dual", "threshold", "dual"),
@@ -75,7 +72,7 @@ def tables(args) -> str:
         lines += [f"Samplers on {args.model} (cache none, gen {args.gen_length}, block {args.block_length}):", "",
                   "| sampler | accuracy % | " + " | ".join(FAMILIES) + " | forwards | tokens/forward | tokens/s |",
                   "|---" * (5 + len(FAMILIES)) + "|"]
-        for name, sampler, sampler_args in sampler_points(model.config.arch):
+        for name, sampler, sampler_args in sampler_points("dream" if model.config.logit_shift else "llada"):
             s = run(model, tok, name, out / "samplers", sampler, "none", sampler_args, args)
             if isinstance(s, str):
                 lines.append(f"| {name} | refused: {s} |")

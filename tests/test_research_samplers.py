@@ -107,7 +107,7 @@ def test_adablock_disabled_is_fixed_blocks(model, cache):
     assert same(ada, run(model, "threshold", cache, threshold=0.3))
 
 
-def _block_end(confidences, tokens, start=0, end=8, length=32, tau=0.3):
+def _block_end(confidences, tokens, start=0, end=8, length=32, tau=0.3, family="llada"):
     """Block end chosen from hand-made logits over [start, start + 8) of a 32-token generation."""
     vocab = 4
     logits = torch.full((1, len(confidences), vocab), -1e9, dtype=torch.float64)
@@ -119,7 +119,7 @@ def _block_end(confidences, tokens, start=0, end=8, length=32, tau=0.3):
     C = len(confidences)
     ctx = ctx_for(logits.exp().tolist(), steps=1)
     ctx.positions, ctx.block_start, ctx.block_end, ctx.prompt_length = torch.arange(start, start + C), start, end, 0
-    ctx.canvas = torch.zeros(1, length, dtype=torch.long)
+    ctx.canvas, ctx.family = torch.zeros(1, length, dtype=torch.long), family
     return ada.block_end(ctx)
 
 
@@ -129,6 +129,31 @@ def test_adablock_block_rule():
     assert _block_end([0.9, 0.4, 0.9, 0.9, 0.8, 0.9, 0.9, 0.9], [1, 3, 1, 1, 3, 1, 1, 1]) == 5  # most confident
     assert _block_end([0.5] + [0.9] * 7, [3] + [1] * 7) == 1  # delimiter at the block start
     assert _block_end([0.9, 0.5, 0.5, 0.9], [1, 3, 3, 1]) == 2  # ties: lowest position
+    by_default = [0.9, 0.4, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9], [1, 3, 1, 1, 1, 1, 1, 1], 0, 8, 32, None
+    assert _block_end(*by_default, family="llada") == 2 and _block_end(*by_default, family="dream") == 8  # 0.3 / 0.5
+
+
+def test_adablock_ends_blocks_on_a_drawn_delimiter_and_commits_that_draw():
+    """At T > 0 the reference chooses the block end from Gumbel-drawn tokens (`predicted_tokens`) and commits the
+    block's first step from the same draw: a newline drawn below the clean argmax (0.45 vs 0.55) ends blocks."""
+    ends = []
+    for seed in range(40):
+        ada = samplers.SAMPLERS.create("adablock", temperature=1.0, delimiter_threshold=0.3, threshold=2.0)
+        ada.prepare(Delimiters())
+        ctx = ctx_for([[[0.55, 1e-9, 1e-9, 0.45]] * 8], seed=seed)
+        ctx.block_end, ctx.canvas = 8, torch.zeros(1, 32, dtype=torch.long)
+        end = ctx.block_end = ada.block_end(ctx)
+        ctx.eligible = ctx.positions[None] < end
+        tokens = ada.step(ctx).tokens
+        assert end == 8 or tokens[0, end - 1] == 3
+        ends.append(end)
+    assert 8 in ends and min(ends) < 8
+
+
+def test_adablock_on_an_answer_shorter_than_its_window_fraction(model):
+    """gen_length < 4: a quarter of it is no window, so the default block (the reference's fallback)."""
+    canvas, _, _ = run(model, "adablock", gen=2, block=2, prepare=Delimiters())
+    assert not (canvas.tokens == model.config.mask_id).any()
 
 
 def test_adablock_shrinks_blocks_on_a_model(model):

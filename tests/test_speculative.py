@@ -33,6 +33,16 @@ def test_speculative_is_stepwise_with_fewer_forwards(model, cache):
     assert stats.gen_tokens == stepwise.gen_tokens
 
 
+def test_draft_steps_default_to_freedaves_per_model_family(model):
+    """K = 4 on LLaDA, 8 on Dream (FreeDave's settings): the default decodes as that K, not as the other."""
+    k, other = (8, 4) if model.config.logit_shift else (4, 8)
+    _, default, _ = run(model, "speculative", "dual")
+    _, want, _ = run(model, "speculative", "dual", draft_steps=k)
+    _, not_want, _ = run(model, "speculative", "dual", draft_steps=other)
+    assert (default.nfe, default.rows_per_layer) == (want.nfe, want.rows_per_layer)
+    assert default.rows_per_layer != not_want.rows_per_layer
+
+
 def test_one_draft_is_stepwise_forward_for_forward(model):
     want, stepwise, _ = run(model, "low_confidence", "dual")
     got, stats, _ = run(model, "speculative", "dual", draft_steps=1)
