@@ -57,8 +57,8 @@ def _checkpoint(ref, rename) -> dict:
     return state
 
 
-def _native(arch, preset, state, path):
-    hf = arch.hf_config(PRESETS[preset])
+def _native(arch, preset, state, path, **hf_keys):
+    hf = {**arch.hf_config(PRESETS[preset]), **hf_keys}
     _write_checkpoint(path, hf, state)
     model = DiffusionLM(arch.config_from_hf(hf))
     load_weights(model, path, arch.WEIGHT_NAMES)
@@ -163,13 +163,17 @@ def test_llada_moe_equals_qwen3_moe_with_full_attention(llada_moe_pair):
     assert (want - causal).abs().max() > 1e-2  # bidirectional: the mask took effect
 
 
-def test_fast_dllm_v2_equals_qwen2_with_shifted_logits(tmp_path):
+@pytest.mark.parametrize("tied", [False, True])
+def test_fast_dllm_v2_equals_qwen2_with_shifted_logits(tmp_path, tied):
+    """Tied: the checkpoint has no lm_head (Fast_dLLM_v2_1.5B keeps Qwen2.5-1.5B's tie_word_embeddings)."""
     cfg = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1e6,
-                      tie_word_embeddings=False, attn_implementation="sdpa")
+                      tie_word_embeddings=tied, attn_implementation="sdpa")
     ref = Qwen2ForCausalLM(cfg)
     _randomize(ref)
-    model = _native(fast_dllm_v2, "fast-dllm-v2-tiny", _checkpoint(ref, lambda state: None), tmp_path)
+    drop_head = lambda state: state.pop("lm_head.weight", None) if tied else None  # noqa: E731
+    model = _native(fast_dllm_v2, "fast-dllm-v2-tiny", _checkpoint(ref, drop_head), tmp_path,
+                    tie_word_embeddings=tied)
     ids = torch.randint(0, 120, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = ref(input_ids=ids, attention_mask=block_causal(12)[None, None].expand(2, 1, 12, 12)).logits
@@ -204,6 +208,9 @@ def test_llada2_name_table_covers_the_released_config():
     names = table_names(model, llada2.WEIGHT_NAMES)
     assert set(names) == _llada2_names(hf) and len(names) == 3 + 9 + 19 * (6 + 2 + 3 + 3 * 256)
     assert 16.0e9 < cfg.num_parameters() < 16.5e9  # "LLaDA2.0-mini (16B)"
+    # the official gate renormalizes the top-k weights whenever k > 1 and never for k = 1, whatever the flag says
+    assert llada2.config_from_hf({**hf, "mask_token_id": 156895, "norm_topk_prob": False}).moe.normalize
+    assert not llada2.config_from_hf({**hf, "mask_token_id": 156895, "num_experts_per_tok": 1}).moe.normalize
 
 
 def test_checkpoints_round_trip_and_dispatch(tmp_path):

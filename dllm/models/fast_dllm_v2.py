@@ -17,14 +17,15 @@ WEIGHT_NAMES = dream.WEIGHT_NAMES
 
 
 def config_from_hf(hf: dict, end_of_turn_id: int | None = None) -> ModelConfig:
-    cfg = dream.config_from_hf({"mask_token_id": 151665, **hf}, end_of_turn_id)
+    cfg = dream.config_from_hf({"mask_token_id": 151665, **hf, "tie_word_embeddings": False}, end_of_turn_id)
     return dataclasses.replace(cfg, arch="fast_dllm_v2", block_size=block_size_of(hf, "bd_size", 32),
-                               max_length=hf.get("max_position_embeddings", 32768))
+                               max_length=hf.get("max_position_embeddings", 32768),
+                               tied_head=bool(hf.get("tie_word_embeddings")))  # as Qwen2.5-1.5B
 
 
 def hf_config(cfg: ModelConfig) -> dict:
     return {**dream.hf_config(cfg), "model_type": MODEL_TYPE, "architectures": list(HF_CLASSES),
-            "bd_size": cfg.block_size}
+            "bd_size": cfg.block_size, "tie_word_embeddings": cfg.tied_head}
 
 
 PRESETS = {

@@ -50,7 +50,8 @@ def config_from_hf(hf: dict, end_of_turn_id: int | None = None) -> ModelConfig:
                     expert_size=hf["moe_intermediate_size"], shared_size=shared * hf["moe_intermediate_size"],
                     dense_layers=hf.get("first_k_dense_replace", 0), router="sigmoid",
                     expert_bias=bool(hf.get("moe_router_enable_expert_bias", True)), groups=hf.get("n_group") or 1,
-                    groups_kept=hf.get("topk_group") or 1, normalize=bool(hf.get("norm_topk_prob", True)),
+                    groups_kept=hf.get("topk_group") or 1, normalize=hf["num_experts_per_tok"] > 1,  # the official
+                    # gate renormalizes whenever top-k > 1, whatever norm_topk_prob says
                     scaling=hf.get("routed_scaling_factor", 1.0))
     return ModelConfig(
         arch="llada2", vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
