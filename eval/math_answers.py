@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import re
 from fractions import Fraction
+from math import gcd
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
-_DROP = ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "$", "\\displaystyle", "^\\circ", "^{\\circ}",
+_DROP = ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "\\$", "$", "\\displaystyle", "^\\circ", "^{\\circ}",
          "\\circ", "°", "\\%", "%")
 _WRAPPERS = re.compile(r"\\(?:text|textbf|mathrm|mathbf|mbox)\{([^{}]*)\}")
-_UNIT_WORDS = re.compile(r"(?<=\d)\\(?:text|mbox|mathrm)\{\s*[a-zA-Z ]+\}$")
-_FRAC_SHORT = re.compile(r"\\frac(\d)(\d)")
+_UNIT_WORDS = re.compile(r"(\d)\s*\\(?:text|mbox|mathrm)\{\s*[a-zA-Z ]+\}$")
+_FRAC_SHORT = re.compile(r"\\frac\s*(\d)\s*(\d)")
 _FRAC_HALF_SHORT = re.compile(r"\\frac\{([^{}]*)\}(\d)|\\frac(\d)\{([^{}]*)\}")
 _SQRT_SHORT = re.compile(r"\\sqrt(\w)")
 _VARIABLE_PREFIX = re.compile(r"^[a-zA-Z]\s*=\s*")
@@ -40,9 +41,11 @@ def last_boxed(text: str) -> str | None:
 def normalize(answer: str) -> str:
     """A normal form in which equal answers written differently (spacing, \\dfrac, units, `x =`) coincide."""
     s = answer.strip().replace("\n", "").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    s = _UNIT_WORDS.sub("", s)
+    s = _UNIT_WORDS.sub(r"\1", s)
+    s = s.replace("\\\\", "\n")  # a row break, kept apart from the spacing command `\ `
     for token in _DROP:
         s = s.replace(token, "")
+    s = s.replace("\n", "\\\\")
     s = _WRAPPERS.sub(r"\1", s).strip()
     s = _VARIABLE_PREFIX.sub("", s) if s.count("=") == 1 else s
     s = _FRAC_SHORT.sub(r"\\frac{\1}{\2}", s)
@@ -71,12 +74,21 @@ def _value(s: str) -> Fraction | None:
     return None
 
 
+def _unreduced(s: str) -> bool:
+    """A fraction not in lowest terms, or over 1 (`2/4`, `\\frac{4}{2}`): not a final answer (PRM800K's grader)."""
+    m = _FRAC.fullmatch(s) or _SLASH.fullmatch(s)
+    if m is None:
+        return False
+    num, den = (int(m[2]), int(m[3])) if m.re is _FRAC else (int(m[1]), int(m[2]))
+    return abs(den) == 1 or gcd(num, den) != 1
+
+
 def equivalent(prediction: str | None, reference: str) -> bool:
-    """Equal normal forms, or equal values when both are numbers or fractions."""
+    """Equal normal forms, or equal values when both are numbers or fractions (a fraction in lowest terms)."""
     if prediction is None:
         return False
     a, b = normalize(prediction), normalize(reference)
     if a == b:
         return True
     va, vb = _value(a), _value(b)
-    return va is not None and va == vb
+    return va is not None and va == vb and not _unreduced(a)

@@ -64,7 +64,14 @@ def test_math_answer_extraction_and_equivalence():
                  ("1,000", "1000"), ("(1, 2)", "(1,2)"), ("90^\\circ", "90"), ("\\left( 3, \\frac{\\pi}{2} \\right)",
                                                                               "(3,\\frac{\\pi}{2})")]:
         assert math_answers.equivalent(a, b), (a, b)
-    for a, b in [("3", "4"), ("(1,2)", "(2,1)"), (None, "1"), ("\\frac{1}{3}", "0.33")]:
+    # MATH-500 references that both official graders (lm-eval's hendrycks is_equiv, PRM800K) match
+    for a, b in [("18.90", "\\$18.90"), ("32,348", "\\$32,\\!348"), ("5.4", "5.4 \\text{ cents}"),
+                 ("\\frac{5}{9}", "\\frac 59"), ("5/9", "\\frac 59"),
+                 ("\\begin{pmatrix}-2\\\\-14\\end{pmatrix}", "\\begin{pmatrix} -2 \\\\ -14 \\end{pmatrix}")]:
+        assert math_answers.equivalent(a, b), (a, b)
+    for a, b in [("3", "4"), ("(1,2)", "(2,1)"), (None, "1"), ("\\frac{1}{3}", "0.33"),
+                 ("\\frac{2}{4}", "\\frac{1}{2}"), ("2/4", "\\frac12"), ("4/2", "2"), ("\\frac{10}{5}", "2"),  # unreduced
+                 ("\\begin{pmatrix}-2-14\\end{pmatrix}", "\\begin{pmatrix} -2 \\\\ -14 \\end{pmatrix}")]:
         assert not math_answers.equivalent(a, b), (a, b)
 
 
