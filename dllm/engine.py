@@ -556,11 +556,10 @@ class Batch:
             positions = torch.arange(lo, hi, device=model.device)
 
             def verify(drafts: Tensor, step=step, start=start, end=end, lo=lo, hi=hi) -> Tensor:
-                next_lo, next_hi, next_rows = plan(step + 1, start, end)
-                if (next_lo, next_hi) != (lo, hi) or (cache.stores_kv and next_rows.index.stop
-                                                      - next_rows.index.start == length):
-                    raise DllmError(f"sampler {sampler.name!r} can only verify drafts inside a block between cache "
-                                    f"refreshes; use refresh_every=0")
+                next_lo, next_hi, next_rows = plan(step + 1, start, end)  # refreshes mid-block: refused up front
+                if (next_lo, next_hi) != (lo, hi):
+                    raise DllmError(f"sampler {sampler.name!r} verifies drafts with the logits of the next step, "
+                                    f"so its logit_window must not change inside a block")
                 return runner.verify(drafts, lo, hi, next_rows)
 
             in_block = (positions >= start) & (positions < end)

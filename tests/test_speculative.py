@@ -33,6 +33,15 @@ def test_speculative_is_stepwise_with_fewer_forwards(model, cache):
     assert stats.gen_tokens == stepwise.gen_tokens
 
 
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+def test_a_block_whose_rows_start_at_column_zero_verifies(model, cache):
+    """A one-token prompt on Dream (its block is scored from column 0) makes prefix compute the whole canvas at
+    every step, which is not a refresh: speculative still gives the stepwise output."""
+    want, stepwise, _ = run(model, "low_confidence", cache, prompts=[[5]])
+    got, stats, _ = run(model, "speculative", cache, prompts=[[5]])
+    assert torch.equal(got.tokens, want.tokens) and stats.nfe < stepwise.nfe
+
+
 def test_draft_steps_default_to_freedaves_per_model_family(model):
     """K = 4 on LLaDA, 8 on Dream (FreeDave's settings): the default decodes as that K, not as the other."""
     k, other = (8, 4) if model.config.logit_shift else (4, 8)
