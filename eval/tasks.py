@@ -84,7 +84,7 @@ def _synthetic_score(item: Item, text: str) -> Scores:
 GSM8K_STOPS = ("Question:", "</s>", "<|im_end|>")
 _GSM8K_STRICT = re.compile(r"#### (-?[0-9.,]+)")
 _GSM8K_FLEXIBLE = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
-_GSM8K_IGNORE = re.compile(r",|\$|(?s:.*#### )|\.$")
+_GSM8K_IGNORE = (re.compile(","), re.compile(r"\$"), re.compile(r"(?s).*#### "), re.compile(r"\.$"))  # in turn
 
 
 def _gsm8k_question(question: str) -> str:
@@ -102,7 +102,10 @@ def _gsm8k_items(data: str | None, k: int) -> tuple[list[Item], str]:
 
 
 def _gsm8k_clean(answer: str) -> str:
-    return _GSM8K_IGNORE.sub("", answer).strip().lower()
+    """lm-eval's exact_match cleaning: each of `regexes_to_ignore` removed in turn, then lower case."""
+    for pattern in _GSM8K_IGNORE:
+        answer = pattern.sub("", answer)
+    return answer.strip().lower()
 
 
 def _gsm8k_score(item: Item, text: str) -> Scores:

@@ -55,6 +55,7 @@ def test_gsm8k_strict_and_flexible_extraction():
     assert score(item, "#### 18\n\nQuestion: what is 7?\nAnswer: #### 7")["flexible"] == ("18", True)
     assert score(item, "#### 1,8")["strict"] == ("1,8", True)  # commas are ignored, as lm-eval does
     assert score(item, "#### 17")["strict"] == ("17", False)
+    assert score(item, "#### 18.,")["strict"] == ("18.,", True)  # "," goes before "\.$" is tried, as in lm-eval
 
 
 def test_math_answer_extraction_and_equivalence():
