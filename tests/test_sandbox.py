@@ -40,6 +40,14 @@ def test_a_program_that_exits_before_its_end_fails(unsafe, exit):
     assert (outcome.passed, outcome.detail) == (False, "exit status 0 before the end of the program")
 
 
+def test_the_pass_signal_cannot_be_forged_by_a_fixed_exit(unsafe):
+    """Exiting with the harness's own exit code, after printing anything, is not reaching the end."""
+    program = f"import os\nprint('x')\nos._exit({sandbox.RAN_TO_THE_END})\nassert False, 'the tests'"
+    outcome = run_python(program, unsafe=unsafe)
+    assert not outcome.passed and outcome.status == "failed"
+    assert run_python("print('a lot of output ' * 1000)", unsafe=unsafe).passed
+
+
 def test_a_main_block_of_generated_code_does_not_run(unsafe):
     """As in the HumanEval / MBPP harnesses: `if __name__ == "__main__": unittest.main()` stays out of the way."""
     program = "import unittest\nif __name__ == '__main__':\n    unittest.main()\nassert 1 + 1 == 2"
