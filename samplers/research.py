@@ -2,6 +2,7 @@
 `prophet_credit_localleap.md`, `adablock_selfspec.md`)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -81,7 +82,8 @@ class Prophet(Sampler):
     format puts the answer (the paper anchors "The answer is" at offsets 200-202 of 256 and reads 204-208);
     without `answer_start` Prophet never exits, as the authors' `generate_earlyexit.py`. The gap and the fill
     need logits of the whole generation, so under prefix/dual caches the computed window widens to it (counted
-    in rows_per_layer). Progress is forwards / total steps."""
+    in rows_per_layer; it also refreshes the later blocks, so logits differ slightly from the base's under the
+    same cache). Progress is a row's forwards / total steps."""
 
     base: str = param("low_confidence", "base sampler for steps that do not exit",
                       choices=("low_confidence", "threshold"))
@@ -110,21 +112,35 @@ class Prophet(Sampler):
     def logit_window(self, prompt_length, length, start, end, step):
         return (start, end) if self.answer_start is None else (prompt_length, length)
 
-    def phase_threshold(self, progress: float) -> float:
-        if progress < self.early_bound:
-            return self.early_threshold
-        return self.mid_threshold if progress < self.late_bound else self.late_threshold
+    def phase_threshold(self, progress: Tensor) -> Tensor:
+        return torch.where(progress < self.early_bound, self.early_threshold,
+                           torch.where(progress < self.late_bound, self.mid_threshold, self.late_threshold))
 
     def step(self, ctx: StepContext) -> Commit:
-        out = self._base.step(ctx)
         if self.answer_start is None:
-            return out
+            return self._base.step(ctx)
+        # the base sampler steps on the block alone, drawing what it draws without Prophet
+        block = (ctx.positions >= ctx.block_start) & (ctx.positions < ctx.block_end)
+        out = self._base.step(dataclasses.replace(ctx, logits=ctx.logits[:, block], eligible=ctx.eligible[:, block],
+                                                  masked=ctx.masked[:, block], positions=ctx.positions[block]))
+        mask, tokens = torch.zeros_like(ctx.masked), ctx.canvas[:, ctx.positions].clone()
+        confidence = torch.zeros(ctx.masked.shape, dtype=out.confidence.dtype, device=out.confidence.device)
+        mask[:, block], tokens[:, block], confidence[:, block] = out.mask, out.tokens, out.confidence
+        # progress counts each row's own forwards (a row alone runs none while its block waits for others)
+        forwards = ctx.state.__dict__.setdefault("forwards", torch.zeros_like(ctx.masked[:, 0], dtype=torch.long))
+        progress = (forwards + 1) / ctx.total_steps
+        forwards += ctx.eligible.any(1)
         offset = ctx.positions - ctx.prompt_length
         window = (offset >= self.answer_start) & (offset < self.answer_start + self.answer_length)
         top2 = ctx.logits[:, window].float().topk(2, dim=-1).values
         gap = (top2[..., 0] - top2[..., 1]).mean(-1)  # NaN (never fires) for a region past the generation
-        fire = gap >= self.phase_threshold((ctx.nfe + 1) / ctx.total_steps)
-        return Commit(torch.where(fire[:, None], ctx.masked, out.mask), out.tokens, out.confidence)
+        fire = (gap >= self.phase_threshold(progress)) & ctx.eligible.any(1)
+        if fire.any():  # every mask of the generation gets the step's token (drawn only for the rows that fire)
+            drawn = gumbel_argmax(ctx.logits, self.temperature, [g if f else None for g, f in
+                                                                 zip(ctx.generators, fire.tolist())])
+            tokens = torch.where(block, tokens, drawn)
+            mask = torch.where(fire[:, None], ctx.masked, mask)
+        return Commit(mask, tokens, confidence)
 
 
 @register("adablock")

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import dllm
 from dllm import cache as caches
 from dllm import samplers
 from conftest import random_model
@@ -39,6 +40,23 @@ def test_prophet_that_never_fires_is_its_base(model, base, args, never):
     assert same(run(model, "prophet", base=base, **args, **never), run(model, base, **args))
 
 
+def test_prophet_that_never_fires_draws_as_its_base(model):
+    """At T > 0 the base step draws over its block only, as without Prophet (spec 1.7: bit-identical)."""
+    never = dict(answer_start=0, early_threshold=1e9, mid_threshold=1e9, late_threshold=1e9)
+    assert same(run(model, "prophet", temperature=0.7, **never), run(model, "low_confidence", temperature=0.7))
+
+
+def test_prophet_in_a_batch_fires_as_alone():
+    """Progress counts a row's own forwards: a row whose block is done waits without advancing, as alone."""
+    model, tok = dllm.load("tiny-llada")
+    args = dict(sampler="prophet", gen_length=64, block_length=4, base="threshold", threshold=0.9, answer_start=0,
+                early_threshold=1e9, mid_threshold=1e9, late_threshold=0.0, early_bound=0.0, late_bound=0.1,
+                stop_early=False)
+    batch = dllm.generate(model, tok, ["copy: z", "add: 0457+0168"], **args)
+    assert batch.token_ids[1] == dllm.generate(model, tok, ["add: 0457+0168"], **args).token_ids[0]
+    assert batch.token_ids[0] == dllm.generate(model, tok, ["copy: z"], **args).token_ids[0]
+
+
 def test_prophet_fires_at_once_with_zero_threshold(model):
     canvas, stats, _ = run(model, "prophet", answer_start=3, early_threshold=0.0)
     assert stats.nfe == 1 and not (canvas.tokens == model.config.mask_id).any()
@@ -57,7 +75,7 @@ def test_prophet_gap_under_a_cache_that_skips_decoded_rows_is_refused(model):
 
 def test_prophet_phases():
     p = samplers.SAMPLERS.create("prophet")
-    assert [p.phase_threshold(t / 256) for t in (84, 85, 171, 172)] == [7.5, 5.0, 5.0, 2.5]
+    assert p.phase_threshold(torch.tensor([84, 85, 171, 172]) / 256).tolist() == [7.5, 5.0, 5.0, 2.5]
 
 
 @pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
