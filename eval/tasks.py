@@ -6,6 +6,7 @@ task's accuracy. `gold` holds the dataset's own reference solution written as a 
 """
 from __future__ import annotations
 
+import random
 import re
 from dataclasses import dataclass
 from functools import partial
@@ -92,12 +93,17 @@ def _gsm8k_question(question: str) -> str:
 
 
 def _gsm8k_items(data: str | None, k: int) -> tuple[list[Item], str]:
+    """Each question after its own k train examples, drawn as lm-eval's default sampler draws them: one
+    random.Random(1234) over the whole train split, k per question in test order."""
     rows, source = sources.load("gsm8k-test", data)
     sources.require_fields(rows, ("question", "answer"), source)
-    shots, _ = sources.load("gsm8k-train") if k else ([], "")
-    context = "".join(f"{_gsm8k_question(s['question'])} {s['answer']}\n\n" for s in _shots(shots, k, "gsm8k"))
-    items = [Item(f"gsm8k-{i}", context + _gsm8k_question(r["question"]), r["answer"], "gsm8k", r["answer"])
-             for i, r in enumerate(rows)]
+    train, _ = sources.load("gsm8k-train") if k else ([], "")
+    _shots(train, k, "gsm8k")
+    draw = random.Random(1234)
+    items = []
+    for i, r in enumerate(rows):
+        context = "".join(f"{_gsm8k_question(s['question'])} {s['answer']}\n\n" for s in draw.sample(train, k))
+        items.append(Item(f"gsm8k-{i}", context + _gsm8k_question(r["question"]), r["answer"], "gsm8k", r["answer"]))
     return items, source
 
 

