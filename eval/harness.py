@@ -85,7 +85,11 @@ def evaluate(model, tokenizer, task: str, sampler: str | Any = "low_confidence",
 
     batches = [items[i:i + batch_size] for i in range(0, len(items), batch_size)]
     mine = batches[rank::world]
-    todo = [b for b in mine if any(it.id not in records for it in b)]
+
+    def stale(it: Item, batch: list[Item]) -> bool:  # never decoded, or decoded as a shorter last batch
+        return it.id not in records or records[it.id].get("batch_size", len(batch)) != len(batch)
+
+    todo = [b for b in mine if any(stale(it, b) for it in b)]
     total = sum(map(len, mine))
     with ThreadPoolExecutor(os.cpu_count()) as scorer, \
             tqdm(total=total, initial=total - sum(map(len, todo)), desc=f"eval {task}",
@@ -96,7 +100,7 @@ def evaluate(model, tokenizer, task: str, sampler: str | Any = "low_confidence",
             else:
                 texts, lengths, stats = _decode_batch(model, tokenizer, batch, sampler, cache, gen_length,
                                                       block_length, steps, seed, chat, compile)
-            missing = [(i, it) for i, it in enumerate(batch) if it.id not in records]
+            missing = [(i, it) for i, it in enumerate(batch) if stale(it, batch)]
             scores = scorer.map(lambda pair: score_text(pair[1], texts[pair[0]]), missing)
             for (i, it), score in zip(missing, scores):
                 rec = _record(it, texts[i], score, lengths[i], stats, len(batch))

@@ -26,3 +26,17 @@ def test_eval_writes_records_and_resumes(tmp_path, capsys):
     assert summary["config"]["sampler"]["name"] == "low_confidence" and summary["n"] == 10
     assert main(["eval", "--task", "gsm9k", "--model", "random:llada-tiny"]) == 2
     assert "unknown task 'gsm9k'" in capsys.readouterr().err
+
+
+def test_a_higher_limit_redoes_the_short_last_batch(tmp_path):
+    """limit 10 at batch 4 ends in a batch of 2; limit 12 decodes items 8-11 as one batch of 4, so its records equal
+    those of a fresh run at limit 12 (tokens per forward depends on the batch a row shared)."""
+    model, tok = dllm.load("tiny-llada")
+    args = dict(sampler="threshold", sampler_args={"threshold": 0.5}, batch_size=4)
+    evaluate(model, tok, "synthetic", limit=10, output=tmp_path / "resumed", **args)
+    resumed = evaluate(model, tok, "synthetic", limit=12, output=tmp_path / "resumed", **args)
+    fresh = evaluate(model, tok, "synthetic", limit=12, output=tmp_path / "fresh", **args)
+    assert resumed["tpf"] == fresh["tpf"] and resumed["nfe_mean"] == fresh["nfe_mean"]
+    read = lambda d: [{k: v for k, v in json.loads(x).items() if k != "seconds"}  # noqa: E731
+                      for x in (tmp_path / d / "results.jsonl").read_text().splitlines()]
+    assert read("resumed") == read("fresh")
