@@ -36,7 +36,8 @@ def stepwise_choice(logits, eligible):
 @dataclass
 class Speculative(Sampler):
     """Lossless self-speculative decoding (FreeDave / SSD linear chain): output identical to one-token-per-step
-    low_confidence decoding at temperature 0, with fewer forwards."""
+    low_confidence decoding at temperature 0, with fewer forwards (except that the verification forward of the
+    step whose commit ends a row is spent for nothing: with K = 1 that can be one forward more)."""
 
     drafts: ClassVar[bool] = True
     draft_steps: int | None = param(None, "K: nested drafts verified per forward (None: 4 for LLaDA, 8 for Dream, "
