@@ -91,7 +91,7 @@ CLI_CASES = [
     (["eval", "--batch-size", "0"], "batch_size must be at least 1", None, []),
     (["eval", "--task", "nope"], "unknown task 'nope'; choose one of synthetic", None, []),
     (["eval", "--num-fewshot", "2"], "synthetic is evaluated zero-shot; use --num-fewshot 0", None, []),
-    (["eval", "--task", "gsm8k", "--num-fewshot", "9"], "gsm8k has .* few-shot examples; use --num-fewshot", None, []),
+    (["eval", "--task", "gsm8k", "--num-fewshot", "7474"], "gsm8k has .* few-shot examples; use --num-fewshot", None, []),
     (["eval", "--output", "{tmp}/file"], "--output .*file is a file; give a directory", None, []),
     (["eval", "--output", "/proc/self/out"], "--output /proc/self/out is not writable", None, []),
     (["eval", "--output", "{tmp}/out", "--gen-length", "512", "--block-length", "512"],
