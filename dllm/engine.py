@@ -585,7 +585,7 @@ class Batch:
                 raise DllmError(f"sampler {sampler.name!r} returned {type(out).__name__} from step; return a "
                                 f"Commit(mask, tokens, confidence)")
             commit = out.mask & masked
-            stalled = (ctx.eligible.any(1) & ~(commit & ctx.eligible).any(1)).any()
+            stalled = (ctx.eligible.any(1) & ~(commit & ctx.eligible).any(1)).any() & (not sampler.may_commit_nothing)
             written = commit if editable is None or out.edit is None else commit | (out.edit & editable)
             canvas.tokens[:, lo:hi] = torch.where(written, out.tokens, canvas.tokens[:, lo:hi])
             checks, reused = [stalled], None

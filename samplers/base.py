@@ -68,6 +68,7 @@ class Sampler(Params):
     edits: ClassVar[bool] = False  # rewrites decoded tokens of the current block (`Commit.edit`, `Commit.again`)
     commits_past_block: ClassVar[bool] = False  # may commit masks of later blocks (Prophet's early exit)
     reads_decoded_logits: ClassVar[bool] = False  # reads logits of decoded positions of its window (Prophet's gap)
+    may_commit_nothing: ClassVar[bool] = False  # a step before the block's last may commit nothing (Dream's origin)
     temperature: float = param(0.0, "sampling temperature (0 = greedy)", ge=0.0)
 
     def step(self, ctx: StepContext) -> Commit:

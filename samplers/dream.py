@@ -9,6 +9,7 @@ and the trajectories part from there. MASK is never proposed (see `samplers.base
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -57,8 +58,8 @@ class _DreamSampler(Sampler):
 
 @dataclass
 class _ConfidenceOrder(_DreamSampler):
-    alg_temp: float | None = param(None, "sample positions from softmax(confidence / alg_temp) instead of top-k",
-                                   gt=0.0)
+    alg_temp: float | None = param(None, "sample positions from softmax(confidence / alg_temp) instead of top-k "
+                                   "(None or 0: top-k, as Dream)", ge=0.0)
 
     def confidence(self, tokens: Tensor, probs: Tensor) -> Tensor:
         raise NotImplementedError
@@ -67,7 +68,7 @@ class _ConfidenceOrder(_DreamSampler):
         tokens, probs = self.propose(ctx)
         confidence = self.confidence(tokens, probs)
         count = self.count(ctx)
-        if self.alg_temp is None:
+        if not self.alg_temp:
             return Commit(top_k_per_row(confidence, ctx.eligible, count), tokens, confidence)
         weights = torch.softmax((confidence / self.alg_temp).masked_fill(~ctx.eligible, float("-inf")), dim=1)
         mask = torch.zeros_like(ctx.eligible)
@@ -109,7 +110,10 @@ class Entropy(_ConfidenceOrder):
 @register("origin")
 @dataclass
 class Origin(_DreamSampler):
-    """Dream origin: every masked position unmasks with probability 1 - s/t (all on the last step)."""
+    """Dream origin: every masked position unmasks with probability 1 - s/t (all on the last step); a step may
+    commit nothing, so a block takes exactly its steps, as Dream's `_sample`."""
+
+    may_commit_nothing: ClassVar[bool] = True
 
     def step(self, ctx: StepContext) -> Commit:
         tokens, probs = self.propose(ctx)
@@ -118,8 +122,4 @@ class Origin(_DreamSampler):
         t = 1 + ctx.step * (self.eps - 1) / ctx.steps
         s = 1 + (ctx.step + 1) * (self.eps - 1) / ctx.steps
         draw = uniform(ctx.eligible.shape, ctx.generators, ctx.logits.device)
-        mask = ctx.eligible & (draw < 1 - s / t)
-        # at least one per row: the position with the smallest draw
-        fallback = top_k_per_row(-draw, ctx.eligible, torch.ones_like(draw[:, 0], dtype=torch.long))
-        mask |= fallback & ~mask.any(1, keepdim=True)
-        return Commit(mask, tokens, probs.amax(-1))
+        return Commit(ctx.eligible & (draw < 1 - s / t), tokens, probs.amax(-1))

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import dllm
 from dllm import samplers
 from dllm.samplers import StepContext
 from dllm.samplers.base import gumbel_argmax, top_k_per_row
@@ -112,11 +113,21 @@ def test_dream_confidences_rank_as_defined():
     assert pick["entropy"] == [True, False]  # 2 outcomes beat 4
 
 
-def test_origin_always_commits_and_finishes_on_the_last_step():
+def test_origin_unmasks_each_position_with_probability_1_minus_s_over_t():
+    """Dream's `_sample`: independent draws, so a step may commit nothing; the last step commits what is left."""
     sampler = samplers.SAMPLERS.create("origin")
     probs = peaked([[0.5] * 6])
-    assert sampler.step(ctx_for(probs, step=0, steps=1000)).mask.sum() >= 1
+    counts = [int(sampler.step(ctx_for(probs, step=1, steps=4, seed=seed)).mask.sum()) for seed in range(400)]
+    t, s = 1 + 1 * (1e-3 - 1) / 4, 1 + 2 * (1e-3 - 1) / 4
+    assert abs(sum(counts) / (400 * 6) - (1 - s / t)) < 0.03 and 0 in counts
     assert sampler.step(ctx_for(probs, step=3, steps=4)).mask.all()
+
+
+def test_origin_takes_every_step_of_its_block():
+    model, tok = dllm.load("tiny-dream")
+    out = dllm.generate(model, tok, ["copy: abcd"], sampler="origin", gen_length=64, block_length=64, steps=64,
+                        stop_early=False)
+    assert out.stats.nfe == 64 and "abcd" in out.texts[0]
 
 
 def test_token_probability_in_fp32_equals_the_float64_softmax():
@@ -130,3 +141,11 @@ def test_token_probability_in_fp32_equals_the_float64_softmax():
     want = torch.softmax(logits.double(), -1).gather(-1, tokens[..., None])[..., 0]
     got = token_probability(logits, tokens)
     assert got.dtype == torch.float32 and ((got.double() - want).abs() <= 5e-6 * want).all()  # relative
+
+
+def test_dream_alg_temp_zero_is_top_k():
+    """Dream's README runs alg_temp=0., which its code treats as no position sampling."""
+    probs = peaked([[0.9, 0.5, 0.7, 0.6]])
+    for name in ("maskgit_plus", "topk_margin", "entropy"):
+        plain = samplers.SAMPLERS.create(name).step(ctx_for(probs, steps=2)).mask
+        assert torch.equal(samplers.SAMPLERS.create(name, alg_temp=0.0).step(ctx_for(probs, steps=2)).mask, plain)
