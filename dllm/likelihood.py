@@ -1,14 +1,17 @@
 """Log-likelihood of a continuation under a masked diffusion model, as LLaDA evaluates its Base models.
 
 A diffusion model gives no exact log p(target | prefix); its evidence lower bound does (LLaDA, arXiv 2502.09992,
-Eq. 3 and Algorithm 3; the same estimator in LLaDA's `eval_llada.py` and Dream's evaluation):
+Eq. 3 and Algorithm 3; the estimator of LLaDA's `eval_llada.py`; Dream's `eval.py` also appends an end of text to
+the target and a BOS to the prefix, which this function leaves to the caller):
 
     log p(y | x) >= E_{l ~ U{1..L}, S ~ l-subsets of the L target positions} [ (L / l) sum_{i in S} log p(y_i | x, y with S masked) ]
 
 estimated by Monte Carlo over `mc_num` draws, `batch_size` draws per forward, the masked counts l stratified over
 each batch (evenly spaced from a random start, as LLaDA's code). Cost: `mc_num` rows of `len(prefix) + L`
 tokens through the network per continuation (ceil(mc_num / batch_size) forwards); the estimate's spread shrinks as
-1 / sqrt(mc_num). Deterministic for a seed.
+1 / sqrt(mc_num). Deterministic for a seed. A block-causal model (SDAR) generates block by block, so its bound is
+the sum over the target's attention blocks of each block's bound with the blocks before it clean (BD3-LM's NELBO,
+arXiv 2503.09573); that costs `mc_num` rows per block.
 """
 from __future__ import annotations
 
@@ -49,6 +52,11 @@ def elbo(model: DiffusionLM, prefix: list[int], target: list[int], mc_num: int =
         raise DllmError(f"cfg_scale must be a number >= 0 (0: no guidance), got {cfg_scale!r}")
     cfg, device = model.config, model.device
     n, length = len(prefix), len(target)
+    ends = range(-(-(n + 1) // cfg.block_size) * cfg.block_size, n + length, cfg.block_size) if cfg.block_size else []
+    if ends:  # block by block: each block's bound given the blocks before it
+        whole, cuts = prefix + target, [n, *ends, n + length]
+        return sum(elbo(model, whole[:a], whole[a:b], mc_num, batch_size, cfg_scale, seed)
+                   for a, b in zip(cuts, cuts[1:]))
     sequence = torch.tensor(prefix + target, device=device)
     generator = torch.Generator().manual_seed(seed)
     total = 0.0

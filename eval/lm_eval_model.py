@@ -97,6 +97,9 @@ class DllmLM(LM):
                                batch_size=check_int("mc_batch_size", _number("mc_batch_size", mc_batch_size, int), 1),
                                cfg_scale=_number("cfg", cfg, float), seed=seed)
         self.greedy_check = _flag("greedy_check", greedy_check)
+        if self.greedy_check and self.likelihood["cfg_scale"]:
+            raise DllmError("greedy_check decodes without classifier-free guidance, so with cfg > 0 it would judge "
+                            "another model; add greedy_check=false to --model_args")
 
     def _canvas(self, max_gen_toks: int | None) -> dict:
         """Decoding lengths for an answer of at most `max_gen_toks` tokens: whole blocks, the same steps per token."""
@@ -149,18 +152,23 @@ class DllmLM(LM):
         return answers
 
     def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
-        """Token ids of the context and of the continuation: the whole text's ids split after the context's,
-        or, where the two merge across the boundary (a BPE word with its leading space), split after the
-        context without its trailing spaces, as lm-eval's own models do."""
+        """Token ids of the context and of the continuation as lm-eval's `TemplateLM._encode_pair` (and LLaDA's and
+        Dream's harnesses) split them: the context's trailing spaces move to the continuation, then the whole
+        text's ids are split after the context's; unless the context's ids without those spaces are not a
+        prefix of the whole text's while the context's own ids are (a special token that includes the
+        spaces, as a chat header's), where they stay. The context is cut from the left to fit the model (a
+        block-causal one keeps two blocks of room: the greedy check decodes whole blocks)."""
         from dllm.engine import encode_text
 
         def ids(text: str) -> list[int]:
             return encode_text(self.tokenizer, text, "a request")
 
-        whole, prefix = ids(context + continuation), ids(context)
-        if whole[:len(prefix)] != prefix:
-            prefix = ids(context.rstrip())
-        room = self.model.config.max_length - (len(whole) - len(prefix))
+        whole, stripped = ids(context + continuation), ids(context.rstrip())
+        prefix = stripped
+        if whole[:len(stripped)] != stripped and whole[:len(own := ids(context))] == own:
+            prefix = own
+        cfg = self.model.config
+        room = cfg.max_length - 2 * (cfg.block_size or 0) - (len(whole) - len(prefix))
         return prefix[max(0, len(prefix) - room):], whole[len(prefix):]
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:

@@ -11,7 +11,7 @@ from conftest import random_model
 import dllm
 from dllm.errors import DllmError
 from dllm.eval.lm_eval_model import DllmLM
-from dllm.likelihood import elbo
+from dllm.likelihood import elbo, is_greedy
 
 
 def exact_elbo(model, prefix: list[int], target: list[int]) -> float:
@@ -84,6 +84,36 @@ def test_likelihood_requests_on_a_block_causal_model_and_unknown_characters():
         lm.loglikelihood([SimpleNamespace(args=("copy: ab\n", "ABC"))], disable_tqdm=True)
     with pytest.raises(DllmError, match="leaves no room for a context"):
         _lm(model="tiny-llada", gen_length=256).generate_until([SimpleNamespace(args=("copy: ab", {}))])
+
+
+def test_a_block_causal_bound_goes_block_by_block():
+    """tiny-sdar's own greedy answer: each block scored with the blocks before it clean (as the model decodes)
+    has a bound near 0 nats; masking across blocks at once (the model never sees that) gave about -26."""
+    model, tok = dllm.load("tiny-sdar")
+    out = dllm.generate(model, tok, ["reverse: abc12"])
+    target, sequence = out.token_ids[0], out.sequences[0].tolist()
+    n = next(i for i in range(len(sequence)) if sequence[i:i + len(target)] == target)
+    prefix = sequence[:n]
+    assert elbo(model, prefix, target, mc_num=32) > -0.5 and is_greedy(model, prefix, target)
+    cut = -(-(n + 1) // 4) * 4 - n  # the end of the first attention block of the answer
+    assert elbo(model, prefix, target, mc_num=32) == pytest.approx(
+        elbo(model, prefix, target[:cut], mc_num=32) + elbo(model, prefix + target[:cut], target[cut:], mc_num=32))
+
+
+def test_lm_eval_pairs_move_the_contexts_trailing_spaces_to_the_continuation():
+    """lm-eval's TemplateLM._encode_pair: 'copy: ab ' + 'cd' is scored as 'copy: ab' + ' cd'."""
+    lm = _lm(model="tiny-llada", mc_num=4)
+    prefix, target = lm._encode_pair("copy: ab ", "cd")
+    assert lm.tokenizer.decode(prefix) == "copy: ab" and lm.tokenizer.decode(target) == " cd"
+    sdar = _lm(model="tiny-sdar", mc_num=4)  # a context that fills the model leaves room for whole blocks
+    prefix, target = sdar._encode_pair("copy: " + "ab" * 200, "#### x")
+    from types import SimpleNamespace
+    assert len(prefix) + len(target) == sdar.model.config.max_length - 8
+    (score, greedy), = sdar.loglikelihood([SimpleNamespace(args=("copy: " + "ab" * 200, "#### x"))],
+                                           disable_tqdm=True)
+    assert score < 0 and greedy is False
+    with pytest.raises(DllmError, match="add greedy_check=false to --model_args"):
+        _lm(model="tiny-llada", cfg=1.0)
 
 
 def _lm(**args):
