@@ -520,6 +520,7 @@ class Batch:
             self._layout()
         model, sampler, cache, canvas, runner = self.model, self.sampler, self.cache, self.canvas, self.runner
         cfg, stats, kv = model.config, self.stats, self.runner.kv
+        family = "dream" if cfg.logit_shift else "llada"  # for the defaults papers set per family
         batch, length = canvas.tokens.shape
         prompt_length, start, block = canvas.prompt_length, self.start, self.block
         total_steps = self.steps_per_block * -(-int((canvas.gen_end - canvas.gen_start).max()) // self.block_length)
@@ -535,7 +536,7 @@ class Batch:
             next_commits = sampler.next_commits(self.state) if cache.needs_next_commits else None
             return lo, hi, cache.plan(kv, caches.PlanContext(
                 canvas=canvas, masked=masked, decoded=decoded, next_commits=next_commits, step=step, start=start,
-                end=end, lo=lo, hi=hi, shift=cfg.logit_shift, family="dream" if cfg.logit_shift else "llada"))
+                end=end, lo=lo, hi=hi, shift=cfg.logit_shift, family=family))
 
         def open_rows(start: int, end: int, again: Tensor | None = None) -> Tensor:
             """[B] rows with a mask left in the block, or (token editing) asking for another step."""
@@ -573,7 +574,7 @@ class Batch:
                 generators=generators, nfe=stats.nfe - 1, total_steps=total_steps, block_start=start,
                 block_end=end, prompt_length=prompt_length, state=self.state,
                 forward=verify if sampler.drafts else None, editable=editable,
-                family="dream" if cfg.logit_shift else "llada")
+                family=family)
             if step == 0:  # the block-start forward may move the block end (AdaBlock)
                 end = sampler.block_end(ctx)
                 if not start < end <= length:

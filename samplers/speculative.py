@@ -51,7 +51,8 @@ class Speculative(Sampler):
     def step(self, ctx: StepContext) -> Commit:
         first, tokens, confidence = stepwise_choice(ctx.logits, ctx.eligible)
         masks_left = int(ctx.eligible.sum(1).max())
-        n = min(self.draft_steps or DRAFT_STEPS[ctx.family], masks_left - 1)  # a draft that fills the block needs no forward of its own
+        # a draft that fills the block needs no forward of its own
+        n = min(self.draft_steps or DRAFT_STEPS[ctx.family], masks_left - 1)
         if n < 1 or ctx.forward is None:
             return Commit(first, tokens, confidence)
         # draft k commits the top k+1 positions of this forward's ranking
