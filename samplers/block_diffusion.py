@@ -9,6 +9,7 @@ from dllm.params import param
 
 from . import register
 from .base import Commit, Sampler, StepContext, gumbel_argmax, token_probability, top_k_per_row
+from .fastdllm import threshold_commit
 
 
 def sampled_probability(logits, tokens, temperature: float):
@@ -81,8 +82,7 @@ class SubBlock(Sampler):
         offset = ctx.positions - ctx.block_start  # [C]
         first = torch.where(ctx.eligible, offset, offset.max() + 1).amin(1, keepdim=True)  # leftmost mask
         current = ctx.eligible & (offset // self.sub_block == first // self.sub_block)
-        best = top_k_per_row(confidence, current, torch.ones_like(first[:, 0]))
-        mask = best | (current & (confidence > self.threshold))  # strictly above, as v2
+        mask = threshold_commit(confidence, current, self.threshold, strict=True)  # strictly above, as v2
         if self.first_token and ctx.step == 0:  # a block that starts with a mask (not one shared with the prompt)
             mask = torch.where(first == 0, ctx.eligible & (offset == first), mask)
         return Commit(mask, tokens, confidence)

@@ -124,7 +124,7 @@ class Prophet(Sampler):
         out = self._base.step(dataclasses.replace(ctx, logits=ctx.logits[:, block], eligible=ctx.eligible[:, block],
                                                   masked=ctx.masked[:, block], positions=ctx.positions[block]))
         mask, tokens = torch.zeros_like(ctx.masked), ctx.canvas[:, ctx.positions].clone()
-        confidence = torch.zeros(ctx.masked.shape, dtype=out.confidence.dtype, device=out.confidence.device)
+        confidence = out.confidence.new_zeros(ctx.masked.shape)
         mask[:, block], tokens[:, block], confidence[:, block] = out.mask, out.tokens, out.confidence
         # progress counts each row's own forwards (a row alone runs none while its block waits for others)
         forwards = ctx.state.__dict__.setdefault("forwards", torch.zeros_like(ctx.masked[:, 0], dtype=torch.long))

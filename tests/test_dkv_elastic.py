@@ -6,6 +6,7 @@ import warnings
 import pytest
 import torch
 
+import dllm
 from dllm import cache as caches
 from dllm import samplers
 from dllm.cache.base import gather_rows, index_rows
@@ -321,3 +322,13 @@ def test_every_sampler_runs_over_the_cache(any_model, cache):
         canvas, stats, _ = run(model, cls.name, cache, gen=16, sampler_args=args)
         assert not (canvas.tokens == model.config.mask_id).any(), cls.name
         assert stats.gen_tokens == 2 * 16
+
+
+def test_elastic_compares_attention_over_heads_by_default():
+    """The authors' LLaDA and Dream code (cosine similarity along dim 1, the heads): the default refreshes as
+    drift_axis='heads' does, not as the paper's key axis (tiny-llada at gamma 0.99 refreshes differently)."""
+    model, tok = dllm.load("tiny-llada")
+    rows = {axis: dllm.generate(model, tok, ["reverse: hello123"], cache="elastic",
+                                cache_args={"gamma": 0.99, **({} if axis is None else {"drift_axis": axis})}
+                                ).stats.rows_per_layer for axis in (None, "heads", "keys")}
+    assert rows[None] == rows["heads"] != rows["keys"]

@@ -61,6 +61,12 @@ def test_infinite_loop_is_killed_at_the_timeout(unsafe):
     assert time.perf_counter() - start < 3
 
 
+def test_the_default_timeout_is_human_evals_3_seconds(unsafe):
+    outcome = run_python("import time\ntime.sleep(4)", unsafe=unsafe)
+    assert (outcome.passed, outcome.status) == (False, "timeout")
+    assert run_python("import time\ntime.sleep(1)", unsafe=unsafe).passed
+
+
 def test_large_allocation_fails_within_the_memory_limit(unsafe):
     outcome = run_python("block = bytearray(6 * 2**30)\nprint(len(block))", memory_mb=512, unsafe=unsafe)
     assert (outcome.passed, outcome.status) == (False, "failed") and "MemoryError" in outcome.detail
