@@ -3,7 +3,7 @@ values come from. Every policy stores K/V after RoPE in one full-length store (s
 section 2) and counts the rows it computed per layer, so cost is counted, never estimated."""
 from __future__ import annotations
 
-from dllm.params import Registry
+from dllm.core.params import Registry
 
 from .base import Cache, KVStore, PassThrough, PlanContext, gather_rows, row_slots, zeros
 

@@ -7,8 +7,8 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch import Tensor
 
+from dllm.core.params import Params
 from dllm.models.transformer import Rows
-from dllm.params import Params
 
 
 def gather_rows(t: Tensor, rows: Rows) -> Tensor:

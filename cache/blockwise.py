@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from dllm.core.params import param
 from dllm.models import Rows
-from dllm.params import param
 
 from . import register
 from .base import Cache, KVStore, PlanContext, zeros

@@ -17,8 +17,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from dllm.core.params import param
 from dllm.models.transformer import Rows
-from dllm.params import param
 
 from . import register
 from .base import Cache, index_rows, predicting_rows

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dllm.core.params import param
 from dllm.models.transformer import Rows, attention_probabilities
-from dllm.params import param
 
 from . import register
 from .base import Cache, KVStore, index_rows, predicting_rows, row_slots, write_rows, zeros

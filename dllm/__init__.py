@@ -4,16 +4,16 @@
     out = dllm.generate(model, tok, ["2+2?"], sampler="threshold", cache="dual", gen_length=64, block_length=32)
     out.texts, out.stats.nfe, out.stats.tpf
 
-Layers, each importing only those before it (tests/test_layers.py):
-core (`errors`, `params`) -> models (`models`, `loading`, `tokenizer`) -> policies (`samplers`, `cache`; never
-each other) -> engine (`engine`: the decode loop and `generate`; `bench`) -> `eval` -> `cli`.
-The names below are imported on first use, so `import dllm.params` does not pull in the engine.
+Layers, each a folder importing only those before it (tests/test_layers.py; ARCHITECTURE.md):
+`core` -> `models` -> policies (`samplers`, `cache`; never each other) -> `engine` (the decode loop, `generate`,
+`stream`, `bench`, `likelihood`) -> `eval` -> `serve` -> `cli`.
+The names below are imported on first use, so `import dllm.core.params` does not pull in the engine.
 """
 import importlib
 
-_EXPORTS = {"DllmError": "errors", "Generation": "engine", "Stats": "engine", "decode": "engine",
-            "generate": "engine", "stream": "engine", "available_models": "loading", "load": "loading",
-            "save_pretrained": "loading"}
+_EXPORTS = {"DllmError": "core.errors", "Generation": "engine", "Stats": "engine", "decode": "engine",
+            "generate": "engine", "stream": "engine", "available_models": "models.loading", "load": "models.loading",
+            "save_pretrained": "models.loading"}
 
 __all__ = sorted(_EXPORTS)
 

@@ -12,8 +12,10 @@ from typing import Any
 from dllm import cache as caches
 from dllm import samplers as samplers_mod
 
-from .engine import check_plain_text, check_seed, decoding_lengths, default_cache
-from .errors import DllmError
+from .core.checks import check_seed
+from .core.errors import DllmError
+from .engine.options import decoding_lengths, default_cache
+from .engine.text import check_plain_text
 
 DEFAULT_MODEL = "tiny-llada"
 
@@ -193,8 +195,9 @@ def _eval(args) -> int:
 
 
 def _run_eval(args) -> int:
-    import dllm
     from accelerate import PartialState
+
+    import dllm
     from dllm.eval.harness import evaluate
     from dllm.eval.sweep import run_sweep, table
     from dllm.eval.tasks import get_task
@@ -247,7 +250,8 @@ def _run_eval(args) -> int:
 
 def _bench(args) -> int:
     import dllm
-    from .bench import bench, format_result
+
+    from .engine.bench import bench, format_result
 
     try:
         batch_sizes = [int(b) for b in args.batch_size.split(",")]
@@ -329,7 +333,7 @@ def _serve(args) -> int:
 
 
 def _bench_serve(args) -> int:
-    from .serve import bench_serve, format_bench, plot_bench
+    from .serve.bench import bench_serve, format_bench, plot_bench
 
     try:
         levels = tuple(int(c) for c in args.concurrency.split(","))
@@ -350,7 +354,7 @@ def _bench_serve(args) -> int:
 
 def _list(args) -> int:
     if args.what == "models":
-        from .loading import available_models
+        from .models.loading import available_models
         entries = [{"name": m} for m in available_models()]
     else:
         registry = samplers_mod.SAMPLERS if args.what == "samplers" else caches.CACHES

@@ -22,9 +22,12 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from dllm.engine import (check_int, check_policies, check_seed, decoding_lengths, default_cache, encode_prompts,
-                         generate, split_params)
-from dllm.errors import DllmError
+from dllm.core.checks import check_int, check_seed
+from dllm.core.errors import DllmError
+from dllm.engine import generate
+from dllm.engine.checks import check_policies
+from dllm.engine.options import decoding_lengths, default_cache, split_params
+from dllm.engine.text import encode_prompts
 
 from .tasks import Item, get_task
 

@@ -27,7 +27,7 @@ import sys
 import torch
 from tqdm import tqdm
 
-from dllm.errors import DllmError
+from dllm.core.errors import DllmError
 
 try:
     from lm_eval.api.model import LM
@@ -69,10 +69,11 @@ class DllmLM(LM):
                  max_batch_size: int | None = None, mc_num: int = 128, mc_batch_size: int = 32, cfg: float = 0.0,
                  greedy_check: bool = True, **params) -> None:  # lm-eval passes max_batch_size
         super().__init__()
-        import dllm
         from accelerate import PartialState
 
-        from dllm.engine import check_int, decoding_lengths, split_params
+        import dllm
+        from dllm.core.checks import check_int
+        from dllm.engine.options import decoding_lengths, split_params
 
         if not str(batch_size).isdigit() or int(batch_size) < 1:
             raise DllmError(f"batch_size must be a positive integer, got {batch_size!r}")
@@ -103,7 +104,7 @@ class DllmLM(LM):
 
     def _canvas(self, max_gen_toks: int | None) -> dict:
         """Decoding lengths for an answer of at most `max_gen_toks` tokens: whole blocks, the same steps per token."""
-        from dllm.engine import lengths_for_answer
+        from dllm.engine.options import lengths_for_answer
 
         return lengths_for_answer(self.decoding, max_gen_toks)
 
@@ -116,7 +117,7 @@ class DllmLM(LM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         import dllm
-        from dllm.engine import answer_text, encode_prompts
+        from dllm.engine.text import answer_text, encode_prompts
 
         self._log_share("generate_until", requests)
 
@@ -158,7 +159,7 @@ class DllmLM(LM):
         prefix of the whole text's while the context's own ids are (a special token that includes the
         spaces, as a chat header's), where they stay. The context is cut from the left to fit the model (a
         block-causal one keeps two blocks of room: the greedy check decodes whole blocks)."""
-        from dllm.engine import encode_text
+        from dllm.engine.text import encode_text
 
         def ids(text: str) -> list[int]:
             return encode_text(self.tokenizer, text, "a request")
@@ -172,7 +173,7 @@ class DllmLM(LM):
         return prefix[max(0, len(prefix) - room):], whole[len(prefix):]
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        from dllm.likelihood import elbo, is_greedy
+        from dllm.engine.likelihood import elbo, is_greedy
 
         self._log_share("loglikelihood", requests)
         results = []
@@ -183,8 +184,8 @@ class DllmLM(LM):
         return results
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        from dllm.engine import encode_text
-        from dllm.likelihood import elbo
+        from dllm.engine.likelihood import elbo
+        from dllm.engine.text import encode_text
 
         window = self.model.config.max_length
         results = []

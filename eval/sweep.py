@@ -11,8 +11,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from dllm.engine import check_policies, decoding_lengths, default_cache, generate, split_params
-from dllm.errors import DllmError
+from dllm.core.errors import DllmError
+from dllm.engine import generate
+from dllm.engine.checks import check_policies
+from dllm.engine.options import decoding_lengths, default_cache, split_params
 
 from .harness import evaluate
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
-from dllm.errors import DllmError
+from dllm.core.errors import DllmError
 
 from . import math_answers, sandbox, sources, synthetic
 

@@ -4,7 +4,7 @@ Every sampler is a small dataclass registered by name with one signature, `step(
 (k-diffusion style). Add your own with `@samplers.register("name")` on a `Sampler` subclass."""
 from __future__ import annotations
 
-from dllm.params import Registry
+from dllm.core.params import Registry
 
 from .base import Commit, Sampler, StepContext
 

@@ -14,7 +14,7 @@ from typing import Callable, ClassVar
 import torch
 from torch import Tensor
 
-from dllm.params import Params, param
+from dllm.core.params import Params, param
 
 
 @dataclass

@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from dllm.params import param
+from dllm.core.params import param
 
 from . import register
 from .base import Commit, Sampler, StepContext, top_k_per_row, uniform

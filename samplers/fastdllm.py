@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dllm.params import param
+from dllm.core.params import param
 
 from . import register
 from .base import Commit, Sampler, StepContext, gumbel_argmax, token_probability, top_k_per_row

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dllm.errors import DllmError
-from dllm.params import param
+from dllm.core.errors import DllmError
+from dllm.core.params import param
 
 from . import SAMPLERS, register
 from .base import Commit, Sampler, StepContext, gumbel_argmax, token_probability

@@ -13,8 +13,8 @@ from typing import ClassVar
 
 import torch
 
-from dllm.errors import DllmError
-from dllm.params import param
+from dllm.core.errors import DllmError
+from dllm.core.params import param
 
 from . import register
 from .base import Commit, Sampler, StepContext, token_probability, top_k_per_row

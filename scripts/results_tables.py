@@ -11,8 +11,9 @@ import sys
 from pathlib import Path
 
 import dllm
-from dllm.engine import check_policies, decoding_lengths, split_params
-from dllm.errors import DllmError
+from dllm.core.errors import DllmError
+from dllm.engine.checks import check_policies
+from dllm.engine.options import decoding_lengths, split_params
 from dllm.eval.harness import evaluate
 from dllm.eval.synthetic import FAMILIES
 from dllm.samplers.research import DELIMITER_THRESHOLD

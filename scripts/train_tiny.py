@@ -38,9 +38,9 @@ from dllm import cache as caches
 from dllm import samplers as samplers_mod
 from dllm.engine import decode, generate
 from dllm.eval.synthetic import CHARSET, FAMILIES, make_split, score
-from dllm.loading import build_model, init_random, save_pretrained
 from dllm.models import ModelConfig
-from dllm.tokenizer import build_tokenizer
+from dllm.models.loading import build_model, init_random, save_pretrained
+from dllm.models.tokenizer import build_tokenizer
 
 END_OF_TURN = {"llada": "<|eot_id|>", "dream": "<|im_end|>", "sdar": "<|im_end|>"}
 TOKENIZER_STYLE = {"llada": "llada", "dream": "dream", "sdar": "dream"}  # SDAR: the Qwen chat format

@@ -21,8 +21,8 @@ def shared_path(*parts: str) -> Path:
 
 def random_model(preset: str, seed: int = 0, std: float = 0.2):
     """A tiny random-weight model with logits sharp enough that argmax ties are rare."""
-    from dllm.loading import build_model, init_random
     from dllm.models import PRESETS
+    from dllm.models.loading import build_model, init_random
 
     model = build_model(PRESETS[preset], "cpu", torch.float32)
     init_random(model, seed, std=std)

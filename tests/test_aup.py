@@ -4,9 +4,8 @@ import json
 import pytest
 
 from dllm.cli import main
-from dllm.errors import DllmError
+from dllm.core.errors import DllmError
 from dllm.eval.sweep import aup, pareto_front, parse_point
-
 
 
 def test_aup_reference_value():

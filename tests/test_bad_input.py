@@ -11,8 +11,8 @@ import torch
 
 import dllm
 from dllm.cli import main
-from dllm.engine import decoding_lengths
-from dllm.errors import DllmError
+from dllm.core.errors import DllmError
+from dllm.engine.options import decoding_lengths
 
 TINY = ["--model", "random:llada-tiny"]
 LONG_PROMPT = "a" * 600  # over random:llada-tiny's 512-token context
@@ -255,7 +255,7 @@ def test_generation_config_of_the_model_directory_wins(tmp_path):
 
 def test_chat_keeps_the_conversation_unless_the_model_answers_single_turns(tmp_path, capsys, monkeypatch):
     """tiny-llada declares multi_turn: false, so each turn decodes alone; --history sends the conversation."""
-    import dllm.engine as engine
+    import dllm.engine.api as engine
 
     seen = []
     real = engine.encode_prompts

@@ -2,12 +2,12 @@
 alone, for every block-local sampler over every cache that recomputes all rows at a block start."""
 import pytest
 import torch
-
 from conftest import random_model
+
 from dllm import cache as caches
 from dllm import samplers
+from dllm.core.errors import DllmError
 from dllm.engine import Batch, decode
-from dllm.errors import DllmError
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18, 19], [20, 21]]
 GEN = [32, 16, 24, 16]  # answer lengths, in blocks of 8

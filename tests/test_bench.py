@@ -6,12 +6,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import random_model
 
 from dllm import cache as caches
 from dllm import samplers
-from conftest import random_model
-from dllm.bench import bench
 from dllm.cli import main
+from dllm.engine.bench import bench
 
 
 @pytest.mark.parametrize("cache,full", [("none", 16), ("prefix", 2), ("dual", 2)])
@@ -66,15 +66,15 @@ def test_cli_bench_times_each_batch_size_on_one_model(capsys):
 def test_timed_runs_never_wait_for_the_device_around_a_forward(monkeypatch):
     """Seconds and tokens/s come from runs without per-forward timing (on a GPU that timing synchronizes around
     every forward); the per-forward times come from one run of their own, after them."""
-    import dllm.bench
+    import dllm.engine.bench as bench_module
 
-    profiled, real_decode = [], dllm.bench.decode
+    profiled, real_decode = [], bench_module.decode
 
     def decode(*args, **kwargs):
         profiled.append(kwargs.get("profile", False))
         return real_decode(*args, **kwargs)
 
-    monkeypatch.setattr(dllm.bench, "decode", decode)
+    monkeypatch.setattr(bench_module, "decode", decode)
     r = bench(random_model("llada-tiny"), samplers.SAMPLERS.create("low_confidence"), caches.CACHES.create("dual"),
               16, 8, prompt_length=8, repeats=3)
     assert profiled == [False, False, False, False, True]  # warm-up, 3 timed runs, the per-forward run
@@ -83,9 +83,9 @@ def test_timed_runs_never_wait_for_the_device_around_a_forward(monkeypatch):
 
 def test_the_warm_up_run_is_reported_apart_from_the_timed_runs(monkeypatch):
     """`warm_up_seconds` is the first run's time (with --compile, the compilation), never part of `seconds`."""
-    import dllm.bench
+    import dllm.engine.bench as bench_module
 
-    real_decode, calls = dllm.bench.decode, []
+    real_decode, calls = bench_module.decode, []
 
     def decode(*args, **kwargs):
         canvas, stats, trace = real_decode(*args, **kwargs)
@@ -94,7 +94,7 @@ def test_the_warm_up_run_is_reported_apart_from_the_timed_runs(monkeypatch):
             stats.seconds = 100.0  # a slow first run
         return canvas, stats, trace
 
-    monkeypatch.setattr(dllm.bench, "decode", decode)
+    monkeypatch.setattr(bench_module, "decode", decode)
     r = bench(random_model("llada-tiny"), samplers.SAMPLERS.create("low_confidence"), caches.CACHES.create("dual"),
               16, 8, prompt_length=8, repeats=1)
     assert r["warm_up_seconds"] == 100.0 and r["seconds"] == calls[1].seconds < 100.0

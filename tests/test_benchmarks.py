@@ -14,10 +14,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import ROOT, shared_path
 
 import dllm
-from conftest import ROOT, shared_path
-from dllm.errors import DllmError
+from dllm.core.errors import DllmError
 from dllm.eval import math_answers, sources
 from dllm.eval.harness import evaluate
 from dllm.eval.tasks import get_task

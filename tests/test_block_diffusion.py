@@ -5,18 +5,17 @@ import json
 
 import pytest
 import torch
+from conftest import random_model, shared_path
+from test_models import _randomize, _write_checkpoint
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import dllm
-from conftest import random_model, shared_path
 from dllm import cache as caches
 from dllm import samplers
+from dllm.core.errors import DllmError
 from dllm.engine import Batch, decode
-from dllm.errors import DllmError
-from dllm.loading import load_weights, table_names
 from dllm.models import PRESETS, DiffusionLM, sdar
-
-from test_models import _randomize, _write_checkpoint
+from dllm.models.loading import load_weights, table_names
 
 BLOCK = 4
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18, 19, 20, 21, 22]]  # 7, 3, 8 tokens: every
@@ -158,7 +157,7 @@ def test_prophet_is_refused_on_block_causal_models(model):
 
 
 def test_block_layout_errors(model):
-    from dllm.engine import decoding_lengths
+    from dllm.engine.options import decoding_lengths
     with pytest.raises(DllmError, match=r"gen_length \(6\) must be a multiple of the model's attention block "
                                         r"\(4\); e.g. gen_length 8$"):
         decoding_lengths(model, 6)

@@ -11,8 +11,11 @@ from conftest import random_model
 import dllm
 from dllm import cache as caches
 from dllm.cache.base import gather_rows
-from dllm.engine import Canvas, compiled_run, decode, split_params
-from dllm.errors import DllmError
+from dllm.core.errors import DllmError
+from dllm.engine import decode
+from dllm.engine.canvas import Canvas
+from dllm.engine.options import split_params
+from dllm.engine.runner import compiled_run
 from dllm.models import DiffusionLM, Rows
 from dllm.samplers import SAMPLERS
 
@@ -130,7 +133,7 @@ def test_models_with_other_norm_eps_compile_in_one_process():
 def test_the_store_lender_hands_a_returned_store_back_zeroed_and_keeps_a_few():
     """A store given back is lent again whole, its tensors in their order (the addresses CUDA graphs were
     recorded with), zeroed; another shape, dtype or count gets new tensors; only `keep` returned stores are held."""
-    from dllm.engine import StoreLender
+    from dllm.engine.runner import StoreLender
 
     cpu = torch.device("cpu")
     lender = StoreLender(keep=2)
@@ -156,7 +159,7 @@ def test_cuda_graphs_give_the_eager_tokens_on_one_lent_store(sampler, cache):
     addresses its graphs were recorded with."""
     from torch._dynamo.utils import counters
 
-    from dllm.engine import store_lender
+    from dllm.engine.runner import store_lender
 
     model, tok = dllm.load("tiny-llada", device="cuda")
     prompts = ["reverse: hello123", "copy: ab"]

@@ -2,11 +2,12 @@
 baseline_and_fastdllm.md section 6)."""
 import pytest
 import torch
+from conftest import random_model
 
 from dllm import cache as caches
 from dllm import samplers
-from conftest import random_model
-from dllm.engine import Canvas, _finish_rows, decode
+from dllm.engine import decode
+from dllm.engine.canvas import Canvas, _finish_rows
 from dllm.models import Rows
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]

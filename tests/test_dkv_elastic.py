@@ -5,16 +5,17 @@ import warnings
 
 import pytest
 import torch
+from conftest import random_model
 
 import dllm
 from dllm import cache as caches
 from dllm import samplers
 from dllm.cache.base import gather_rows, index_rows
 from dllm.cache.elastic import attention_drift
-from conftest import random_model
-from dllm.engine import Canvas, decode
+from dllm.core.errors import DllmError
+from dllm.engine import decode
+from dllm.engine.canvas import Canvas
 from dllm.models import Rows
-from dllm.errors import DllmError
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]  # left-padded to P = 7
 P, G, BK = 7, 32, 8
@@ -201,8 +202,8 @@ def test_elastic_recomputes_from_the_layer_after_the_first_drift(monkeypatch):
     planned rows and layers 2-3 every row."""
     from dataclasses import replace
 
-    from dllm.loading import build_model, init_random
     from dllm.models import PRESETS
+    from dllm.models.loading import build_model, init_random
     model = build_model(replace(PRESETS["llada-tiny"], n_layers=4), "cpu", torch.float32)
     init_random(model, 0, std=0.2)
     scripted = iter([1.0, 0.5] * 100)  # layers 0 and 1 of each step; layers 2-3 run full, untested

@@ -4,12 +4,12 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from conftest import random_model
 
 import dllm
 from dllm import samplers
-from conftest import random_model
 from dllm.cli import main
-from dllm.errors import DllmError
+from dllm.core.errors import DllmError
 
 
 @pytest.fixture(scope="module")
@@ -142,8 +142,9 @@ def test_weights_that_are_not_floats_are_refused(tmp_path):
 def test_llada_qkv_bias_round_trips(tmp_path):
     """LLaDA's include_qkv_bias option: the biases load under their official names and are used."""
     import dataclasses
-    from dllm.loading import build_model, init_random
+
     from dllm.models import PRESETS
+    from dllm.models.loading import build_model, init_random
     model = build_model(dataclasses.replace(PRESETS["llada-tiny"], qkv_bias=True), "cpu", torch.float32)
     init_random(model, seed=0)
     with torch.no_grad():
@@ -153,8 +154,8 @@ def test_llada_qkv_bias_round_trips(tmp_path):
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         assert "model.transformer.blocks.0.k_proj.bias" in f.keys()
     loaded = build_model(model.config, "cpu", torch.float32)
-    from dllm.loading import load_weights
     from dllm.models import llada
+    from dllm.models.loading import load_weights
     load_weights(loaded, tmp_path, llada.WEIGHT_NAMES)
     ids = torch.tensor([[3, 4, 5, 6]])
     with torch.no_grad():
@@ -286,7 +287,8 @@ def test_corrupt_dream_tokenizer_is_one_line(tmp_path):
     """Dream's tokenizer falls back to Qwen2Tokenizer (its own class is remote code); that fallback fails in one
     line."""
     import shutil
-    from dllm.loading import SHIPPED_DIR
+
+    from dllm.models.loading import SHIPPED_DIR
     path = tmp_path / "dream"
     shutil.copytree(SHIPPED_DIR / "tiny-dream", path)
     (path / "tokenizer.json").write_text("{broken")

@@ -8,12 +8,12 @@ import sys
 
 import dllm
 
-LAYERS = [  # (layer, module prefixes)
-    ("core", ("dllm.errors", "dllm.params")),
-    ("models", ("dllm.models", "dllm.loading", "dllm.tokenizer")),
+LAYERS = [  # (layer, module prefixes): one folder each, except the command line
+    ("core", ("dllm.core",)),
+    ("models", ("dllm.models",)),
     ("samplers", ("dllm.samplers",)),
     ("cache", ("dllm.cache",)),
-    ("engine", ("dllm.engine", "dllm.bench", "dllm.likelihood")),
+    ("engine", ("dllm.engine",)),
     ("eval", ("dllm.eval",)),
     ("serve", ("dllm.serve",)),
     ("cli", ("dllm.cli",)),
@@ -28,7 +28,7 @@ def layer_of(module: str) -> str | None:
 
 
 def all_modules() -> list[str]:
-    found = ["dllm", "dllm.samplers", "dllm.cache", "dllm.eval", "dllm.models"]
+    found = ["dllm", "dllm.samplers", "dllm.cache", "dllm.eval"]
     for info in pkgutil.walk_packages(dllm.__path__, "dllm."):
         found.append(info.name)
     for sub in ("samplers", "cache", "eval", "models"):
@@ -54,7 +54,12 @@ def test_every_module_imports_only_its_layer_and_below():
     assert {layer_of(m) for m in modules} == set(RANK), modules  # every layer is found
     run = subprocess.run([sys.executable, "-c", PROBE, json.dumps(modules)], capture_output=True, text=True,
                          check=True)
-    imported = json.loads(run.stdout)
+    wrong = upward_imports(json.loads(run.stdout))
+    assert not wrong, "\n".join(wrong)
+
+
+def upward_imports(imported: dict[str, list[str]]) -> list[str]:
+    """`module (layer) imports other (layer)` for each pulled-in module of a higher or a sibling layer."""
     wrong = []
     for module, pulled in imported.items():
         mine = layer_of(module)
@@ -64,13 +69,29 @@ def test_every_module_imports_only_its_layer_and_below():
                 continue
             if RANK[theirs] > RANK[mine] or (RANK[theirs] == RANK[mine] and theirs != mine):
                 wrong.append(f"{module} ({mine}) imports {other} ({theirs})")
-    assert not wrong, "\n".join(wrong)
+    return wrong
 
 
 def test_importing_the_core_leaves_the_engine_unloaded():
-    run = subprocess.run([sys.executable, "-c", "import sys, dllm.params; print(sorted(sys.modules))"],
+    run = subprocess.run([sys.executable, "-c", "import sys, dllm.core.params; print(sorted(sys.modules))"],
                          capture_output=True, text=True, check=True)
     assert "dllm.engine" not in run.stdout and "dllm.models" not in run.stdout
+
+
+def test_the_tree_holds_only_layer_folders_and_the_command_line():
+    """dllm/ reads bottom to top as the layers: a module outside the layer folders would sit in no layer."""
+    top = sorted(info.name for info in pkgutil.iter_modules(dllm.__path__))
+    assert top == ["cli", "core", "engine", "models", "serve"]
+
+
+def test_an_upward_import_is_caught(tmp_path):
+    """The check fails on a module that imports a higher layer (a core module importing the engine)."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("import dllm.engine\n")
+    run = subprocess.run([sys.executable, "-c", PROBE.replace("importlib.import_module(name)",
+                                                              "importlib.import_module(name); exec(open(sys.argv[2]).read())"),
+                          json.dumps(["dllm.core.errors"]), str(probe)], capture_output=True, text=True, check=True)
+    assert "dllm.core.errors (core) imports dllm.engine (engine)" in upward_imports(json.loads(run.stdout))
 
 
 def test_the_distribution_installs_one_top_level_package():

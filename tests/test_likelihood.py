@@ -9,9 +9,9 @@ import torch
 from conftest import random_model
 
 import dllm
-from dllm.errors import DllmError
+from dllm.core.errors import DllmError
+from dllm.engine.likelihood import elbo, is_greedy
 from dllm.eval.lm_eval_model import DllmLM
-from dllm.likelihood import elbo, is_greedy
 
 
 def exact_elbo(model, prefix: list[int], target: list[int]) -> float:

@@ -3,12 +3,12 @@ import json
 
 import pytest
 import torch
+from conftest import shared_path
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import dllm
-from dllm.loading import checkpoint_state, load_weights, save_pretrained, weight_names
-from dllm.models import DiffusionLM, llada, dream
-from conftest import shared_path
+from dllm.models import DiffusionLM, dream, llada
+from dllm.models.loading import checkpoint_state, load_weights, save_pretrained, weight_names
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             tie_word_embeddings=False)
@@ -159,8 +159,8 @@ def test_save_and_load_roundtrip(preset, tmp_path):
 def test_official_llada_chat_template_renders_through_our_prompt_path():
     """The real LLaDA-8B-Instruct template (with its always-appended assistant header) gives the prompt our
     loop encodes; our tiny tokenizers render the same format."""
-    from dllm.engine import encode_prompts
-    from dllm.tokenizer import build_char_tokenizer
+    from dllm.engine.text import encode_prompts
+    from dllm.models.tokenizer import build_char_tokenizer
 
     official = json.loads(shared_path("data", "llada-8b-instruct", "tokenizer_config.json").read_text())
     assert official["bos_token"] == "<|startoftext|>"

@@ -7,21 +7,27 @@ import json
 
 import pytest
 import torch
-from transformers import (DeepseekV3Config, Glm4MoeConfig, Glm4MoeForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from conftest import shared_path
+from test_block_diffusion import PROMPTS, block_causal
+from test_models import _randomize, _write_checkpoint
+from transformers import (
+    DeepseekV3Config,
+    Glm4MoeConfig,
+    Glm4MoeForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
 import dllm
-from conftest import shared_path
 from dllm import cache as caches
 from dllm import samplers
 from dllm.engine import decode
-from dllm.loading import load, load_weights, save_pretrained, table_names
 from dllm.models import PRESETS, DiffusionLM, MoEConfig, fast_dllm_v2, llada2, llada_moe, sdar
+from dllm.models.loading import load, load_weights, save_pretrained, table_names
 from dllm.models.moe import MoE
-
-from test_block_diffusion import PROMPTS, block_causal
-from test_models import _randomize, _write_checkpoint
 
 
 def _sharpen_routers(model, bias_name=None, seed=0):
@@ -263,7 +269,7 @@ def test_llada_moe_runs_every_cache_batch_equal_alone():
 def test_bench_counts_the_experts_a_forward_reads():
     """`dllm bench` on an MoE model reports the fraction of routed experts one forward reads (between one
     token's top-k and all of them) and the parameters that leaves to read, for the weight-read floor."""
-    from dllm.bench import bench
+    from dllm.engine.bench import bench
 
     model = dllm.load("random:llada2-tiny", seed=1)[0]
     moe = model.config.moe

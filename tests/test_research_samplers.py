@@ -4,14 +4,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import random_model
+from test_samplers import ctx_for, peaked
 
 import dllm
 from dllm import cache as caches
 from dllm import samplers
-from conftest import random_model
+from dllm.core.errors import DllmError
 from dllm.engine import decode
-from dllm.errors import DllmError
-from test_samplers import ctx_for, peaked
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from dllm.errors import DllmError
+from dllm.core.errors import DllmError
 from dllm.eval import sandbox
 from dllm.eval.sandbox import run_python
 

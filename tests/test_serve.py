@@ -181,15 +181,15 @@ def test_a_stop_string_split_between_blocks_is_never_streamed(server):
 
 def test_a_request_that_fails_to_join_fails_alone(tiny, monkeypatch):
     """An unexpected error while one request joins the batch answers that request (500, counted), no other."""
-    from dllm import serve
-    add = serve.Batch.add
+    from dllm.engine import Batch
+    add = Batch.add
 
     def failing_add(self, ids, gen_length, seed):
         if seed == 13:
             raise RuntimeError("boom")
         return add(self, ids, gen_length, seed)
 
-    monkeypatch.setattr(serve.Batch, "add", failing_add)
+    monkeypatch.setattr(Batch, "add", failing_add)
     model, tok = tiny
     with LocalServer(Engine(model, tok, "tiny-llada", DEFAULTS, max_batch=8)) as local:
         long = {**chat("reverse: hello123"), "gen_length": 128, "ignore_eos": True}
@@ -313,6 +313,7 @@ def test_readme_requests_answer_right(server):
     import re
 
     from conftest import ROOT
+
     from dllm.eval.synthetic import extract_answer, solve
 
     readme = (ROOT / "README.md").read_text()

@@ -4,12 +4,12 @@ import math
 
 import pytest
 import torch
+from conftest import random_model
 
 from dllm import cache as caches
 from dllm import samplers
-from conftest import random_model
+from dllm.core.errors import DllmError
 from dllm.engine import decode
-from dllm.errors import DllmError
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
 

@@ -4,7 +4,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from dllm.eval.synthetic import CHARSET, make_split
-from dllm.tokenizer import SPECIAL_TOKENS, STYLES, build_tokenizer, save_tokenizer, vocab_chars
+from dllm.models.tokenizer import SPECIAL_TOKENS, STYLES, build_tokenizer, save_tokenizer, vocab_chars
 
 CONVERSATION = [
     {"role": "user", "content": "  add: 457+168\n"},

@@ -10,8 +10,8 @@ import train_tiny  # noqa: E402
 
 import dllm  # noqa: E402
 from dllm.eval.synthetic import CHARSET, make_split  # noqa: E402
-from dllm.loading import build_model, init_random  # noqa: E402
-from dllm.tokenizer import build_tokenizer  # noqa: E402
+from dllm.models.loading import build_model, init_random  # noqa: E402
+from dllm.models.tokenizer import build_tokenizer  # noqa: E402
 
 
 def tiny_sdar(block_size=4):

@@ -13,9 +13,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .errors import DllmError
-from .models import ARCHITECTURES_BY_NAME, PRESETS, DiffusionLM, ModelConfig, architecture_of
-from .models.transformer import rope_frequencies, shard_rows
+from ..core.errors import DllmError
+from . import ARCHITECTURES_BY_NAME, PRESETS, DiffusionLM, ModelConfig, architecture_of
+from .transformer import rope_frequencies, shard_rows
 
 SHIPPED_DIR = Path(__file__).parent / "checkpoints"
 

@@ -18,11 +18,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import cache as caches
-from . import samplers
-from .engine import check_int, check_seed, decode
-from .errors import DllmError
-from .models import DiffusionLM
+from .. import cache as caches
+from .. import samplers
+from ..core.checks import check_int, check_seed
+from ..core.errors import DllmError
+from ..models import DiffusionLM
+from .loop import decode
 
 
 def _check(model: DiffusionLM, prefix: list[int], target: list[int]) -> None:

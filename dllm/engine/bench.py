@@ -11,7 +11,7 @@ import statistics
 
 import torch
 
-from .engine import decode
+from .loop import decode
 
 
 def random_prompts(model, batch_size: int, prompt_length: int, seed: int) -> list[list[int]]:

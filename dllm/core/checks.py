@@ -1,0 +1,25 @@
+"""Argument checks shared by every layer: each bad value is a one-line `DllmError` naming the argument."""
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+from .errors import DllmError
+
+
+def check_int(name: str, value: Any, minimum: int | None = None, maximum: int | None = None) -> int:
+    """`value` as an int (any integer type, e.g. numpy's; a bool, float or string is a one-line error naming
+    `name`)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise DllmError(f"{name} must be an integer, got {value!r}")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise DllmError(f"{name} must be at least {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise DllmError(f"{name} must be at most {maximum}, got {value}")
+    return value
+
+MAX_SEED = 2**63 - 1  # torch.Generator seeds are 64-bit
+
+def check_seed(seed: Any) -> int:
+    return check_int("seed", seed, 0, MAX_SEED)

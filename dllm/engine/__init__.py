@@ -1,0 +1,13 @@
+"""The engine: one decode loop for every sampler, cache and model.
+
+Data flows through its rooms in this order: `options` turns a call's keywords into a sampler, a cache and the
+lengths; `text` turns prompts into token ids; `checks` refuses what cannot decode together; `loop` lays the rows
+out on a `canvas` and decodes them block by block, each step a `runner` forward of the rows the cache chose and the
+sampler's commits, counted in `stats`; `api` (`generate`, `stream`) returns the answers' text. Beside it:
+`likelihood` (the ELBO of a continuation) and `bench` (`dllm bench`).
+"""
+from .api import Generation, Stream, generate, stream
+from .loop import Batch, decode
+from .stats import Stats
+
+__all__ = ["Batch", "Generation", "Stats", "Stream", "decode", "generate", "stream"]

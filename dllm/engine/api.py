@@ -1,0 +1,129 @@
+"""The public calls: `generate` (a batch of prompts to answers) and `stream` (one prompt's answer block by block),
+both over the one loop; every bad input fails before any work."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+from torch import Tensor
+
+from ..core.checks import check_seed
+from ..core.errors import DllmError
+from ..models import DiffusionLM
+from .checks import check_lengths
+from .loop import Batch, Row, decode
+from .options import decoding_lengths, default_cache, split_params
+from .stats import Stats
+from .text import _is_int, answer_text, encode_prompts
+
+if TYPE_CHECKING:
+    from ..cache import Cache
+    from ..samplers import Sampler
+
+
+@dataclass
+class Generation:
+    texts: list[str]
+    token_ids: list[list[int]]  # generated ids of each row, cut before the first stop token
+    sequences: Tensor  # the final canvas [B, L], prompt included
+    stats: Stats
+    sampler: dict[str, Any]
+    cache: dict[str, Any]
+    trace: list[dict] | None = None
+
+def _prepare(model: DiffusionLM, tokenizer, prompts, sampler, cache, gen_length, block_length, steps, seed, chat,
+             flags: dict[str, Any], sampler_args, cache_args, params):
+    """`generate`'s and `stream`'s checks and setup: the sampler and cache, the lengths, the seed and flags, then
+    the prompts' ids (every bad input fails before any work)."""
+    sampler, cache = split_params(sampler, default_cache(model) if cache is None else cache, params, sampler_args,
+                                  cache_args)
+    lengths = decoding_lengths(model, gen_length, block_length, steps)
+    for row_seed in seed if isinstance(seed, list) else [seed]:
+        check_seed(row_seed)
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise DllmError(f"{name} must be True or False, got {flag!r}")
+    ids = encode_prompts(tokenizer, prompts, chat)
+    if isinstance(seed, list) and len(seed) != len(ids):
+        raise DllmError(f"seed is a list of {len(seed)} seeds for {len(ids)} prompts; give one per prompt or one int")
+    sampler.prepare(tokenizer)
+    return sampler, cache, lengths, ids
+
+def generate(model: DiffusionLM, tokenizer, prompts, sampler: str | Sampler = "low_confidence",
+             cache: str | Cache | None = None, gen_length: int | None = None, block_length: int | None = None,
+             steps: int | None = None, seed: int | list[int] = 0, chat: bool | None = None, stop_early: bool = True,
+             trace: bool = False, sampler_args: dict[str, Any] | None = None,
+             cache_args: dict[str, Any] | None = None, callback: Callable[[dict], None] | None = None,
+             compile: bool = False, **params: Any) -> Generation:
+    """Generate answers for a batch of prompts (strings, or lists of token ids).
+
+    `params` go to the sampler or the cache by name (e.g. `threshold=0.9`, `temperature=0.5`,
+    `refresh_every=4`); a name both take goes in `sampler_args`/`cache_args`. Every row draws from its own
+    generator seeded with `seed` (a row equals its prompt alone), or with `seed[i]`: several samples of one
+    prompt in one batch take a list of seeds. `cache` defaults to `default_cache(model)` (block-causal models:
+    `block`; others: `none`). gen_length and block_length default to the model directory's
+    `generation_config.json`, else 64 and 32 (or the largest block below 32 that divides gen_length); steps to
+    gen_length (one token per step for schedule-driven samplers). `callback` is called after every step (see
+    `decode`). `compile` runs the model under `torch.compile` (caches none, prefix, dual, block; the first calls
+    compile, minutes on a CPU for a large model)."""
+    sampler, cache, lengths, ids = _prepare(model, tokenizer, prompts, sampler, cache, gen_length, block_length,
+                                            steps, seed, chat, dict(stop_early=stop_early, trace=trace,
+                                                                    compile=compile), sampler_args, cache_args, params)
+    canvas, stats, steps_trace = decode(model, ids, sampler, cache, **lengths, seed=seed, stop_early=stop_early,
+                                        trace=trace, callback=callback, compile=compile)
+    cfg = model.config
+    token_ids = []
+    for row, a, b in zip(canvas.tokens.tolist(), canvas.gen_start.tolist(), canvas.gen_end.tolist()):
+        row = row[a:b]
+        token_ids.append(row[:next((i for i, t in enumerate(row) if t in cfg.stop_ids), len(row))])
+    return Generation([answer_text(tokenizer, ids) for ids in token_ids], token_ids, canvas.tokens, stats,
+                      sampler.config(), cache.config(), steps_trace)
+
+class Stream:
+    """One prompt's answer while it is decoded (`stream`): iterating yields the text each decoded block adds;
+    afterwards `generation` holds what `generate` returns for the prompt alone."""
+
+    def __init__(self, tokenizer, batch: Batch, row: Row):
+        self.tokenizer, self.batch, self.row = tokenizer, batch, row
+        self.generation: Generation | None = None
+
+    def __iter__(self):
+        batch, text = self.batch, ""
+        while batch.running:
+            batch.run_block()
+            ids = batch.answer(self.row)
+            new = answer_text(self.tokenizer, ids)
+            if not batch.running or not new.endswith("\ufffd"):  # a character split between blocks waits
+                if new[len(text):]:
+                    yield new[len(text):]
+                text = new
+        if self.generation is None:
+            self.generation = Generation([text], [ids], batch.canvas.tokens, batch.finish(), batch.sampler.config(),
+                                         batch.cache.config(), batch.trace)
+
+def stream(model: DiffusionLM, tokenizer, prompt, sampler: str | Sampler = "low_confidence",
+           cache: str | Cache | None = None, gen_length: int | None = None, block_length: int | None = None,
+           steps: int | None = None, seed: int = 0, chat: bool | None = None, stop_early: bool = True,
+           trace: bool = False, sampler_args: dict[str, Any] | None = None,
+           cache_args: dict[str, Any] | None = None, callback: Callable[[dict], None] | None = None,
+           compile: bool = False, **params: Any) -> Stream:
+    """`generate` for one prompt, its answer's text given block by block as it is decoded:
+
+        s = dllm.stream(model, tok, "reverse: abc", sampler="threshold", cache="dual")
+        for text in s: print(text, end="", flush=True)
+        s.generation.stats.nfe
+
+    The tokens are `generate`'s for that prompt (the same loop); a block's text appears once the block is
+    decoded (blocks are final, left to right)."""
+    one = isinstance(prompt, str) or isinstance(prompt, (list, tuple, Tensor)) and all(_is_int(t) for t in prompt)
+    if not one:
+        raise DllmError(f"stream takes one prompt (a string or a list of token ids), got {prompt!r}; "
+                        f"use generate for a batch")
+    sampler, cache, lengths, ids = _prepare(model, tokenizer, [prompt], sampler, cache, gen_length, block_length,
+                                            steps, seed, chat, dict(stop_early=stop_early, trace=trace,
+                                                                    compile=compile), sampler_args, cache_args, params)
+    steps_per_block = check_lengths(lengths["gen_length"], lengths["block_length"], lengths["steps"])
+    batch = Batch(model, sampler, cache, lengths["block_length"], steps_per_block, stop_early, trace,
+                  callback=callback, compile=compile)
+    return Stream(tokenizer, batch, batch.add(ids[0], lengths["gen_length"], seed[0] if isinstance(seed, list)
+                                              else seed))

@@ -1,0 +1,86 @@
+"""The canvas: a left-padded batch `[pad | prompt | answer | pad]`, its RoPE positions and key mask, and the rule
+that says when a row has finished."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..core.errors import DllmError
+from ..models import DiffusionLM
+
+
+@dataclass
+class Canvas:
+    """A left-padded batch canvas and what stays fixed while decoding it."""
+
+    tokens: Tensor  # [B, L]
+    positions: Tensor  # [B, L] RoPE positions: real tokens counted from 0 in every row
+    key_mask: Tensor | None  # [B, 1, 1, L] bool, None when nothing is padded
+    prompt_length: int  # where the earliest row's generation starts (every row's, unless rows joined between blocks)
+    gen_start: Tensor  # [B] where each row's generation starts ...
+    gen_end: Tensor  # [B] ... and ends (right padding after it, when rows of a batch differ)
+    answer: Tensor  # [B, L] bool: the columns between them
+    stop_ids: Tensor  # the model's stop ids, on the canvas's device
+
+    @staticmethod
+    def check(model: DiffusionLM, prompts: list[list[int]], gen_length: int) -> None:
+        """Every prompt can be decoded with `gen_length` answer tokens (else the one-line reason)."""
+        cfg = model.config
+        if not prompts:
+            raise DllmError("no prompts given; pass at least one prompt")
+        for row, ids in enumerate(prompts):
+            if len(ids) == 0:
+                raise DllmError(f"prompt {row} is empty; every prompt needs at least one token")
+            bad = next((t for t in ids if not 0 <= t < cfg.vocab_size), None)
+            if bad is not None:
+                raise DllmError(f"prompt {row} has token id {bad}, outside the model's vocabulary "
+                                f"[0, {cfg.vocab_size}); encode it with the model's tokenizer")
+        width = max(map(len, prompts))
+        length = width + gen_length
+        if length > cfg.max_length:
+            raise DllmError(f"prompt ({width} tokens) + gen_length ({gen_length}) = {length} exceeds the model's "
+                            f"context of {cfg.max_length}; shorten the prompt or lower gen_length")
+
+    @classmethod
+    def build(cls, model: DiffusionLM, prompts: list[list[int]], gen_length: int) -> "Canvas":
+        """The left-padded canvas of a fresh batch: prompts, then `gen_length` masks each."""
+        cls.check(model, prompts, gen_length)
+        mask = model.config.mask_id
+        rows = [torch.tensor(list(ids) + [mask] * gen_length, dtype=torch.long) for ids in prompts]
+        return cls.lay_out(model, rows, [len(ids) for ids in prompts], [len(ids) for ids in prompts])
+
+    @classmethod
+    def lay_out(cls, model: DiffusionLM, rows: list[Tensor], before: list[int], prompt_lengths: list[int]
+                ) -> "Canvas":
+        """`rows` of tokens (prompt, then answer), padded left and right so that the first `before[b]` tokens of
+        every row end at one column: the answer's start in a fresh batch, the current block's when rows joined
+        between blocks (`Batch`). RoPE positions count each row's real tokens from 0."""
+        cfg, device = model.config, model.device
+        left = max(before)
+        length = left + max(len(t) - n for t, n in zip(rows, before))
+        tokens = torch.full((len(rows), length), cfg.pad_id, dtype=torch.long)
+        real = torch.zeros((len(rows), length), dtype=torch.bool)
+        for b, (row, n) in enumerate(zip(rows, before)):
+            tokens[b, left - n:left - n + len(row)] = row
+            real[b, left - n:left - n + len(row)] = True
+        positions = (real.long().cumsum(1) - 1).clamp(min=0)
+        key_mask = None if real.all() else real[:, None, None, :].to(device)
+        gen_start = torch.tensor([left - n + p for n, p in zip(before, prompt_lengths)], device=device)
+        gen_end = gen_start + torch.tensor([len(t) - p for t, p in zip(rows, prompt_lengths)], device=device)
+        column = torch.arange(length, device=device)
+        answer = (column >= gen_start[:, None]) & (column < gen_end[:, None])
+        return cls(tokens.to(device), positions.to(device), key_mask, int(gen_start.min()), gen_start, gen_end, answer,
+                   torch.tensor(cfg.stop_ids, device=device))
+
+def _finish_rows(canvas: Canvas, finished: Tensor, cfg) -> Tensor:
+    """Mark rows whose answer is complete (its first stop token comes before its first mask) and write the filler
+    into their remaining masks. Returns the updated `finished`."""
+    tokens, length = canvas.tokens, canvas.tokens.shape[1]
+    column = torch.arange(length, device=tokens.device)
+    first_stop = torch.where(torch.isin(tokens, canvas.stop_ids) & canvas.answer, column, length).amin(1)
+    masked = (tokens == cfg.mask_id) & canvas.answer
+    done = first_stop < torch.where(masked, column, length).amin(1)  # no stop: first_stop == length
+    tokens.masked_fill_(masked & done[:, None], cfg.filler_id)
+    return finished | done

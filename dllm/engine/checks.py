@@ -1,0 +1,86 @@
+"""Can these decode together? Lengths against blocks, the sampler against the cache and the model, compiling:
+each refusal is one line that names the fix, raised before any work."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .. import samplers as samplers_mod
+from ..core.checks import check_int
+from ..core.errors import DllmError
+from ..models import DiffusionLM
+
+if TYPE_CHECKING:
+    from ..cache import Cache
+    from ..samplers import Sampler
+
+
+def check_lengths(gen_length: int, block_length: int, steps: int | None, model_block: bool = False) -> int:
+    """Validate the block layout; return steps per block. `model_block`: the block is a block-causal model's
+    attention block, so only gen_length can change."""
+    check_int("gen_length", gen_length)
+    check_int("block_length", block_length)
+    if steps is not None:
+        check_int("steps", steps)
+    if gen_length < 1 or block_length < 1:
+        raise DllmError(f"gen_length ({gen_length}) and block_length ({block_length}) must be positive")
+    if gen_length % block_length and model_block:
+        raise DllmError(f"gen_length ({gen_length}) must be a multiple of the model's attention block "
+                        f"({block_length}); e.g. gen_length {-(-gen_length // block_length) * block_length}")
+    if gen_length % block_length:
+        raise DllmError(f"gen_length ({gen_length}) must be a multiple of block_length ({block_length}); "
+                        f"e.g. gen_length {gen_length // block_length * block_length or block_length} "
+                        f"or block_length {gen_length}")
+    blocks = gen_length // block_length
+    steps = gen_length if steps is None else steps
+    if steps < blocks or steps > gen_length or steps % blocks:
+        raise DllmError(f"steps ({steps}) must be a multiple of the number of blocks ({blocks}) between {blocks} "
+                        f"and gen_length ({gen_length})")
+    return steps // blocks
+
+def check_policies(model: DiffusionLM, sampler: Sampler, cache: Cache, compile: bool = False) -> None:
+    """The sampler, the cache and the model can decode together (else the one-line reason)."""
+    cfg = model.config
+    if cfg.pad_id == cfg.mask_id:
+        raise DllmError("the model's pad id equals its mask id; fix pad_token_id in config.json")
+    if cache.needs_next_commits and not sampler.commits_known_ahead:
+        known = ", ".join(cls.name for cls in samplers_mod.SAMPLERS if cls.commits_known_ahead)
+        raise DllmError(f"cache {cache.name!r} needs a sampler whose next commits are known before the forward "
+                        f"({known}); sampler {sampler.name!r} chooses them from the logits")
+    if sampler.drafts and not cache.verifies_drafts:
+        raise DllmError(f"sampler {sampler.name!r} verifies drafts, which cache {cache.name!r} cannot do "
+                        f"without changing its state; use cache none, prefix, dual or (block-causal models) block")
+    if sampler.drafts and getattr(cache, "refresh_every", 0):
+        raise DllmError(f"sampler {sampler.name!r} verifies drafts inside a block between cache refreshes; use "
+                        f"cache {cache.name!r} with refresh_every=0")
+    if sampler.reads_decoded_logits and not cache.compiles:  # a cache computing slices covers the whole window
+        raise DllmError(f"sampler {sampler.name!r} reads the logits of decoded tokens, which cache {cache.name!r} does "
+                        f"not compute; use cache none, prefix or dual")
+    if cache.block_causal_only and not cfg.block_size:
+        raise DllmError(f"cache {cache.name!r} is exact only under block-causal attention ({cfg.arch} attends to the "
+                        f"whole canvas); use prefix or dual")
+    if sampler.edits and not cache.block_fresh:
+        raise DllmError(f"sampler {sampler.name!r} rewrites decoded tokens, whose keys and values cache "
+                        f"{cache.name!r} keeps; use cache none, prefix, dual or (block-causal models) block")
+    if cfg.block_size and sampler.commits_past_block:
+        raise DllmError(f"sampler {sampler.name!r} commits later blocks from one forward, which a block-causal model "
+                        f"({cfg.arch}) predicts only from finished blocks; use another sampler")
+    if cfg.block_size and not cache.block_fresh:
+        raise DllmError(f"cache {cache.name!r} chooses rows for full attention; on a block-causal model "
+                        f"({cfg.arch}) use cache block (exact), none, prefix or dual")
+    check_compile(cache, compile)
+    if compile and cfg.moe is not None and model.dtype != torch.bfloat16:
+        raise DllmError(f"MoE layers ({cfg.arch}) compile in bfloat16 only (torch's grouped matmul traces for no "
+                        f"other type); use --dtype bfloat16 or drop --compile")
+
+def check_block_layout(model: DiffusionLM, block_length: int) -> None:
+    size = model.config.block_size
+    if size and block_length != size:
+        raise DllmError(f"block_length ({block_length}) must equal the model's attention block ({size}) on a "
+                        f"block-causal model ({model.config.arch}); use --block-length {size}")
+
+def check_compile(cache: Cache, compile: bool) -> None:
+    if compile and not cache.compiles:
+        raise DllmError(f"cache {cache.name!r} chooses its rows token by token and runs eagerly; drop --compile "
+                        f"(compile=False) or use cache none, prefix, dual or (block-causal models) block")

@@ -1,0 +1,284 @@
+"""The one decode loop: `Batch` decodes its rows block by block, each step a forward of the rows the cache
+chose, then the sampler's commits; `decode` runs a fixed batch to its end."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from torch import Tensor
+
+from .. import cache as caches
+from .. import samplers as samplers_mod
+from ..core.errors import DllmError
+from ..models import DiffusionLM, Rows
+from .canvas import Canvas, _finish_rows
+from .checks import check_block_layout, check_lengths, check_policies
+from .runner import Runner, _clock
+from .stats import Stats, _trace_step
+
+if TYPE_CHECKING:
+    from ..cache import Cache
+    from ..samplers import Sampler
+
+
+@dataclass(eq=False)  # a row is itself: compared and hashed by identity
+class Row:
+    """One prompt in a `Batch`: its tokens (prompt, then its answer canvas) and its own random stream, so its
+    tokens never depend on the rows beside it."""
+
+    prompt: list[int]
+    gen_length: int  # answer positions
+    origin: int  # where its first block starts: the answer (len(prompt)), or on a block-causal model the
+    # attention block the prompt ends in, so that decoded blocks are the model's blocks (SDAR's layout)
+    generator: torch.Generator
+    tokens: Tensor  # [len(prompt) + gen_length] as of the last layout
+    decoded: int = 0  # positions from `origin` before the current block (whole blocks), as of the last layout
+    finished: bool = False  # a stop token committed with nothing masked before it
+
+class Batch:
+    """Rows decoded together, block by block, all with the same sampler, cache and block layout: the one decode
+    loop. `decode` runs a fixed batch to the end; `dllm serve` also adds and removes rows between blocks
+    (continuous batching), which re-lays the canvas out so that every row's current block sits at the same
+    columns: `[pad | prompt | decoded blocks | current block | later blocks | pad]`. That is exact when the cache
+    recomputes every row at a block start (`Cache.block_fresh`) and the sampler looks only at the current block
+    (`Sampler.block_local`); `joins_between_blocks` says so.
+
+    `profile` times every forward into `stats.forward_seconds`; `callback` is called after every step with
+    `{"block", "step", "committed"}`; `compile` runs the model compiled (`compiled_run`; caches none, prefix, dual).
+    The host waits for the device once per step (has the block any mask left?) and once per block."""
+
+    def __init__(self, model: DiffusionLM, sampler: Sampler, cache: Cache, block_length: int, steps_per_block: int,
+                 stop_early: bool = True, trace: bool = False, profile: bool = False,
+                 callback: Callable[[dict], None] | None = None, compile: bool = False):
+        check_policies(model, sampler, cache, compile)
+        check_block_layout(model, block_length)
+        self.model, self.sampler, self.cache = model, sampler, cache
+        self.block_length, self.steps_per_block = block_length, steps_per_block
+        self.stop_early, self.profile, self.callback, self.compile = stop_early, profile, callback, compile
+        self.joins_between_blocks = sampler.block_local and cache.block_fresh
+        self.rows: list[Row] = []
+        self.stats, self.trace = Stats(batch=0, rows_per_layer=[0] * model.config.n_layers), [] if trace else None
+        self.canvas: Canvas | None = None  # None: rows changed since the last layout
+        self.runner: Runner | None = None
+        self._saved = True  # the rows hold what the canvas holds
+        self.block = 0  # blocks run
+
+    def add(self, prompt: list[int], gen_length: int, seed: int = 0) -> Row:
+        """A row for `prompt` with `gen_length` answer tokens (whole blocks), decoded from the next block on."""
+        if self.rows and not self.joins_between_blocks and self.block:
+            raise DllmError(f"sampler {self.sampler.name!r} with cache {self.cache.name!r} cannot take rows into a "
+                            f"running batch (the sampler must look only at the current block and the cache "
+                            f"recompute every row at each block start); start a new batch")
+        if gen_length % self.block_length:
+            raise DllmError(f"gen_length ({gen_length}) must be a multiple of block_length ({self.block_length})")
+        model, size = self.model, self.model.config.block_size
+        Canvas.check(model, [prompt], gen_length)
+        origin = len(prompt)
+        if size:  # whole attention blocks, the answer from the prompt's end to the end of its last block
+            origin = len(prompt) // size * size
+            gen_length = -(-(len(prompt) + gen_length) // size) * size - len(prompt)
+        tokens = torch.tensor(list(prompt) + [model.config.mask_id] * gen_length, dtype=torch.long)
+        row = Row(list(prompt), gen_length, origin, torch.Generator(device=model.device).manual_seed(seed), tokens)
+        self._save()
+        self.rows.append(row)
+        self.canvas = None
+        return row
+
+    def remove(self, row: Row) -> None:
+        """Take `row` out between blocks (finished, out of blocks, or cancelled)."""
+        if not self.joins_between_blocks and self.block:
+            raise DllmError(f"sampler {self.sampler.name!r} with cache {self.cache.name!r} cannot drop rows from a "
+                            f"running batch; let it finish")
+        self._save()
+        self.rows.remove(row)
+        self.canvas = None
+
+    def cancel(self, row: Row) -> None:
+        """Stop decoding `row` from the next step on (take it out between blocks with `remove`)."""
+        if self.canvas is None:
+            row.finished = True
+        else:
+            self.finished[self.rows.index(row)] = True
+            self._saved = False
+
+    def answer(self, row: Row) -> list[int]:
+        """`row`'s answer so far: the tokens of its decoded blocks (of all of them once it has finished: a sampler
+        such as Prophet may fill later blocks early), cut before the first stop token."""
+        self._save()
+        ids = row.tokens[len(row.prompt):len(row.tokens) if row.finished else row.origin + row.decoded].tolist()
+        stops = self.model.config.stop_ids
+        return ids[:next((i for i, t in enumerate(ids) if t in stops), len(ids))]
+
+    def done(self, row: Row) -> bool:
+        """Nothing left to decode: a stop committed, or every block of the row decoded."""
+        self._save()
+        return row.finished or row.origin + row.decoded >= len(row.prompt) + row.gen_length
+
+    @property
+    def running(self) -> bool:
+        return any(not self.done(row) for row in self.rows)
+
+    def _save(self) -> None:
+        """Copy the canvas back into the rows (their tokens, decoded blocks and finished flags)."""
+        canvas = self.canvas
+        if canvas is None or self._saved:
+            return
+        finished = self.finished.tolist()
+        for b, row in enumerate(self.rows):
+            first = int(canvas.gen_start[b]) - len(row.prompt)
+            row.tokens = canvas.tokens[b, first:first + len(row.tokens)].clone()
+            row.decoded = min(self.start - first - row.origin, len(row.tokens) - row.origin)
+            row.finished = finished[b]
+        self._saved = True
+
+    def _layout(self) -> None:
+        """Lay the rows out on a fresh canvas, current blocks aligned, with a fresh store and sampler state."""
+        model, rows = self.model, self.rows
+        before = [row.origin + row.decoded for row in rows]  # tokens left of the current block
+        self.canvas = Canvas.lay_out(model, [row.tokens for row in rows], before, [len(row.prompt) for row in rows])
+        self.start, self._saved = max(before), False
+        self._count_store()
+        self.runner = Runner(model, self.canvas, self.cache, self.stats, self.profile, self.compile)
+        self.stats.batch = max(self.stats.batch, len(rows))
+        self.state = SimpleNamespace()  # the sampler's per-run state
+        self.generators = [row.generator for row in rows]
+        self.finished = torch.tensor([row.finished for row in rows], dtype=torch.bool, device=model.device)
+        self.masked_at_plan = None  # the canvas's masks when the last forward was planned
+
+    def _count_store(self) -> None:
+        """Add the retiring store's row counts to the statistics."""
+        if self.runner is not None:
+            kv = self.runner.kv
+            self.stats.rows_per_layer = [a + b for a, b in zip(kv.rows_per_layer, self.stats.rows_per_layer)]
+            self.stats.cache_bytes = max(self.stats.cache_bytes, kv.nbytes)
+            self.runner.retire()
+            self.runner = None
+
+    def finish(self) -> Stats:
+        """The statistics of everything decoded (call after the last block)."""
+        self._count_store()
+        return self.stats
+
+    @torch.no_grad()
+    def run_block(self) -> None:
+        """Decode the next block of every row."""
+        if not self.rows:
+            raise DllmError("the batch has no rows; add a prompt first")
+        if self.canvas is None:
+            self._layout()
+        model, sampler, cache, canvas, runner = self.model, self.sampler, self.cache, self.canvas, self.runner
+        cfg, stats, kv = model.config, self.stats, self.runner.kv
+        family = "dream" if cfg.logit_shift else "llada"  # for the defaults papers set per family
+        batch, length = canvas.tokens.shape
+        prompt_length, start, block = canvas.prompt_length, self.start, self.block
+        total_steps = self.steps_per_block * -(-int((canvas.gen_end - canvas.gen_start).max()) // self.block_length)
+        committed = torch.zeros((), dtype=torch.long, device=model.device)
+
+        def plan(step: int, start: int, end: int) -> tuple[int, int, Rows]:
+            """Candidate window `[lo, hi)` of a step and the rows to compute for it."""
+            lo, hi = sampler.logit_window(prompt_length, length, start, end, step)
+            lo, hi = min(lo, start), max(hi, end)
+            masked = canvas.tokens == cfg.mask_id
+            decoded = None if self.masked_at_plan is None else self.masked_at_plan & ~masked
+            self.masked_at_plan = masked
+            next_commits = sampler.next_commits(self.state) if cache.needs_next_commits else None
+            return lo, hi, cache.plan(kv, caches.PlanContext(
+                canvas=canvas, masked=masked, decoded=decoded, next_commits=next_commits, step=step, start=start,
+                end=end, lo=lo, hi=hi, shift=cfg.logit_shift, family=family))
+
+        def open_rows(start: int, end: int, again: Tensor | None = None) -> Tensor:
+            """[B] rows with a mask left in the block, or (token editing) asking for another step."""
+            masks_left = ((canvas.tokens[:, start:end] == cfg.mask_id) & ~self.finished[:, None]).any(1)
+            return masks_left if again is None else masks_left | (again & ~self.finished)
+
+        start_time = _clock(model.device)
+        end = min(start + self.block_length, length)
+        step, reused = 0, None  # reused: (window, logits) of a verified draft the sampler committed
+        open_now = open_rows(start, end).tolist()
+        while any(open_now):
+            # a row draws random numbers only at its own steps (when it has masks left), as it does alone
+            generators = [g if o else None for g, o in zip(self.generators, open_now)]
+            counted = list(kv.rows_per_layer) if self.trace is not None else None
+            lo, hi, rows = plan(step, start, end)
+            logits = reused[1] if reused is not None and reused[0] == (lo, hi) else runner.forward(lo, hi, rows)
+            masked = self.masked_at_plan[:, lo:hi] & ~self.finished[:, None]  # the forward left the tokens as planned
+            positions = torch.arange(lo, hi, device=model.device)
+
+            def verify(drafts: Tensor, step=step, start=start, end=end, lo=lo, hi=hi) -> Tensor:
+                next_lo, next_hi, next_rows = plan(step + 1, start, end)  # refreshes mid-block: refused up front
+                if (next_lo, next_hi) != (lo, hi):
+                    raise DllmError(f"sampler {sampler.name!r} verifies drafts with the logits of the next step, "
+                                    f"so its logit_window must not change inside a block")
+                return runner.verify(drafts, lo, hi, next_rows)
+
+            in_block = (positions >= start) & (positions < end)
+            editable = None
+            if sampler.edits:  # decoded answer tokens of this block; never the prompt (its tail shares the block)
+                decoded = (canvas.tokens[:, lo:hi] != cfg.mask_id) & ~self.finished[:, None]
+                editable = decoded & in_block & (positions >= canvas.gen_start[:, None])
+            ctx = samplers_mod.StepContext(
+                logits=logits, eligible=masked & in_block, masked=masked,
+                positions=positions, canvas=canvas.tokens, step=step, steps=self.steps_per_block, block=block,
+                generators=generators, nfe=stats.nfe - 1, total_steps=total_steps, block_start=start,
+                block_end=end, prompt_length=prompt_length, state=self.state,
+                forward=verify if sampler.drafts else None, editable=editable,
+                family=family)
+            if step == 0:  # the block-start forward may move the block end (AdaBlock)
+                end = sampler.block_end(ctx)
+                if not start < end <= length:
+                    raise DllmError(f"sampler {sampler.name!r} chose block end {end} outside ({start}, {length}]")
+                ctx.block_end = end
+                ctx.eligible = masked & (positions >= start) & (positions < end)
+            out = sampler.step(ctx)
+            if not isinstance(out, samplers_mod.Commit):
+                raise DllmError(f"sampler {sampler.name!r} returned {type(out).__name__} from step; return a "
+                                f"Commit(mask, tokens, confidence)")
+            commit = out.mask & masked
+            stalled = (ctx.eligible.any(1) & ~(commit & ctx.eligible).any(1)).any() & (not sampler.may_commit_nothing)
+            written = commit if editable is None or out.edit is None else commit | (out.edit & editable)
+            canvas.tokens[:, lo:hi] = torch.where(written, out.tokens, canvas.tokens[:, lo:hi])
+            checks, reused = [stalled], None
+            if out.verified is not None:
+                draft, draft_logits = runner.adopt(out.verified)
+                checks.append((draft != canvas.tokens[:, lo:hi]).any())  # the draft differs from the commits
+                reused = ((lo, hi), draft_logits)
+            committed += commit.sum()
+            if self.trace is not None:
+                rows_per_layer = [now - before for now, before in zip(kv.rows_per_layer, counted)]
+                self.trace.append(_trace_step(block, step, rows_per_layer, positions, commit, out, logits))
+            if self.stop_early:
+                self.finished = _finish_rows(canvas, self.finished, cfg)
+            if self.callback is not None:
+                self.callback({"block": block, "step": step, "committed": int(commit.sum())})
+            flags = torch.cat([open_rows(start, end, out.again), torch.stack(checks)]).tolist()  # one device wait
+            open_now, (stalled, *diverged) = flags[:batch], flags[batch:]
+            if stalled:
+                raise DllmError(f"sampler {sampler.name!r} committed nothing for an unfinished row at block "
+                                f"{block} step {step}; a sampler must commit at least one position per row")
+            if any(diverged):
+                raise DllmError("a sampler returned a verified draft that differs from its commits; commit exactly "
+                                "the chosen draft")
+            step += 1
+        self.start, self.block, self._saved = end, block + 1, False
+        stats.seconds += _clock(model.device) - start_time
+        stats.gen_tokens += int(committed)
+
+@torch.no_grad()
+def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache: Cache, gen_length: int,
+           block_length: int, steps: int | None = None, seed: int | list[int] = 0, stop_early: bool = True,
+           trace: bool = False, profile: bool = False, callback: Callable[[dict], None] | None = None,
+           compile: bool = False) -> tuple[Canvas, Stats, list[dict] | None]:
+    """Decode token-id prompts as one fixed batch (every row seeded with `seed`, or row i with `seed[i]`); returns
+    the final canvas, statistics and (optionally) a per-step trace. `profile` times every forward (synchronizing
+    the device) into `stats.forward_seconds` by kind: `full` (every canvas row computed), `cached` (the other
+    rows read from the cache), `verify` (draft batches). See `Batch` for `callback` and `compile`."""
+    steps_per_block = check_lengths(gen_length, block_length, steps)
+    Canvas.check(model, prompts, gen_length)  # every prompt's error before any work
+    batch = Batch(model, sampler, cache, block_length, steps_per_block, stop_early, trace, profile, callback, compile)
+    for ids, row_seed in zip(prompts, seed if isinstance(seed, list) else [seed] * len(prompts)):
+        batch.add(ids, gen_length, row_seed)
+    while batch.running:
+        batch.run_block()
+    return batch.canvas, batch.finish(), batch.trace

@@ -1,0 +1,94 @@
+"""What a call decodes with: keyword parameters routed to the sampler or the cache, the default cache, and the
+lengths (the caller's, else the model's `generation_config.json`, else ours)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .. import cache as caches
+from .. import samplers as samplers_mod
+from ..core.errors import DllmError
+from ..models import DiffusionLM
+from .checks import check_lengths
+
+if TYPE_CHECKING:
+    from ..cache import Cache
+    from ..samplers import Sampler
+
+
+def split_params(sampler: str | Sampler, cache: str | Cache, params: dict[str, Any],
+                 sampler_args: dict[str, Any] | None = None, cache_args: dict[str, Any] | None = None):
+    """Build the sampler and the cache. `params` are routed by name and override `sampler_args`/`cache_args`;
+    a name that both take must go through those instead (never a silent choice); unknown names are an error."""
+    for name, args in (("sampler_args", sampler_args), ("cache_args", cache_args)):
+        if args is not None and not isinstance(args, dict):
+            raise DllmError(f"{name} must be a dict of parameters, got {args!r}")
+    sampler_cls = type(sampler) if isinstance(sampler, samplers_mod.Sampler) else samplers_mod.SAMPLERS.get(sampler)
+    cache_cls = type(cache) if isinstance(cache, caches.Cache) else caches.CACHES.get(cache)
+    both = sorted(set(params) & set(sampler_cls.param_names()) & set(cache_cls.param_names()))
+    if both:
+        raise DllmError(f"parameter {both[0]!r} is taken by both sampler {sampler_cls.name!r} and cache "
+                        f"{cache_cls.name!r}; say which with sampler_args={{...}} or cache_args={{...}} "
+                        f"(CLI: --sampler-arg or --cache-arg)")
+    s_args = {**(sampler_args or {}), **{k: v for k, v in params.items() if k in sampler_cls.param_names()}}
+    c_args = {**(cache_args or {}), **{k: v for k, v in params.items() if k in cache_cls.param_names()}}
+    unknown = sorted(set(params) - set(sampler_cls.param_names()) - set(cache_cls.param_names()))
+    if unknown:
+        raise DllmError(f"unknown parameter {unknown[0]!r} for sampler {sampler_cls.name!r} and cache "
+                        f"{cache_cls.name!r}; sampler takes {', '.join(sampler_cls.param_names())}, cache takes "
+                        f"{', '.join(cache_cls.param_names()) or 'nothing'}")
+    return samplers_mod.SAMPLERS.create(sampler, **s_args), caches.CACHES.create(cache, **c_args)
+
+def default_cache(model: DiffusionLM) -> str:
+    """The cache used when none is named: on a block-causal model the exact finished-block cache (the tokens of
+    recomputing everything, far fewer rows computed), else none (the papers' vanilla decoding)."""
+    return "block" if model.config.block_size else "none"
+
+DEFAULT_GEN_LENGTH = 64  # answer tokens: the canvas the shipped tiny models were trained on (48..64)
+
+DEFAULT_BLOCK_LENGTH = 32
+
+def decoding_lengths(model: DiffusionLM, gen_length: int | None = None, block_length: int | None = None,
+                     steps: int | None = None) -> dict[str, int | None]:
+    """gen_length, block_length and steps to decode with: the caller's, else the model directory's
+    (`generation_config.json`), else ours (block_length: a block-causal model's attention block). Validated, so a
+    bad value fails before any work."""
+    own, from_file = getattr(model, "generation_defaults", {}), []
+
+    def from_own(name: str, given):
+        if given is None and name in own:
+            from_file.append(name)
+            return own[name]
+        return given
+
+    gen_length = from_own("gen_length", gen_length)
+    gen_length = DEFAULT_GEN_LENGTH if gen_length is None else gen_length
+    block_length = from_own("block_length", block_length)
+    if block_length is None:  # a block-causal model decodes in its attention blocks; others in blocks of 32, or
+        # of the largest size below that divides the answer (gen_length 48 alone: blocks of 24)
+        block_length = model.config.block_size or _default_block(gen_length)
+    if "gen_length" in from_file:  # the file's steps belong to the file's length
+        steps = from_own("steps", steps)
+    try:
+        check_lengths(gen_length, block_length, steps, model_block=block_length == model.config.block_size)
+    except DllmError as e:
+        if not from_file:
+            raise
+        raise DllmError(f"{e} ({' and '.join(from_file)} from the model's generation_config.json)") from None
+    return {"gen_length": gen_length, "block_length": block_length, "steps": steps}
+
+def _default_block(gen_length) -> int:
+    if isinstance(gen_length, bool) or not isinstance(gen_length, int) or gen_length < 1:
+        return DEFAULT_BLOCK_LENGTH  # check_lengths names the problem
+    return max(b for b in range(1, min(gen_length, DEFAULT_BLOCK_LENGTH) + 1) if gen_length % b == 0)
+
+def lengths_for_answer(lengths: dict[str, int | None], max_tokens: int | None) -> dict[str, int | None]:
+    """Decoding lengths (`decoding_lengths`) for an answer of at most `max_tokens` tokens: the canvas in whole
+    blocks, the same steps per token; the caller cuts the answer at `max_tokens`."""
+    lengths = dict(lengths)
+    if max_tokens:
+        block, gen, steps = lengths["block_length"], lengths["gen_length"], lengths["steps"]
+        lengths["gen_length"] = new = -(-int(max_tokens) // block) * block
+        if steps is not None:
+            blocks = new // block
+            lengths["steps"] = min(new, max(1, round(steps * new / gen / blocks)) * blocks)
+    return lengths

@@ -1,0 +1,171 @@
+"""The model over one canvas: counted forwards of the rows a cache chose, draft verification on a fork of the K/V
+store, and the compiled forward (`torch.compile`, CUDA graphs on a GPU, stores lent at lasting addresses)."""
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from .. import cache as caches
+from ..models import DiffusionLM, Rows
+from ..models.transformer import visible_keys
+from .canvas import Canvas
+from .stats import Stats
+
+if TYPE_CHECKING:
+    from ..cache import Cache
+
+
+class Runner:
+    """The model over one canvas and its cache store: counted forwards of chosen rows, and one-forward
+    verification of drafts on a fork of the store (self-speculative decoding), adopted once one is chosen.
+
+    `compiled`: forwards go through `compiled_run(model)`, their rows as position tensors so that a block step
+    keeps one shape from block to block (caches whose rows are slices: none, prefix, dual, block); on a GPU as
+    CUDA graphs (`graphed`), whose logits are copied out before the next replay overwrites them."""
+
+    def __init__(self, model: DiffusionLM, canvas: Canvas, cache: Cache, stats: Stats, profile: bool,
+                 compiled: bool = False):
+        self.model, self.canvas, self.cache = model, canvas, cache
+        self.stats, self.profile = stats, profile
+        self.run = compiled_run(model) if compiled else model.run
+        self.compiled, self.graphed = compiled, compiled and model.device.type == "cuda"
+        self.allocate = store_lender(model).take if self.graphed else caches.zeros  # graphs: lasting addresses
+        self.kv = cache.new_kv(model, *canvas.tokens.shape, self.allocate)
+        self.verified: tuple | None = None  # (drafts, fork, logits, rows) of the last `verify`
+
+    def retire(self) -> None:
+        """Give lent stores back (the runner is not used after this)."""
+        self._give_back(self.kv)
+        if self.verified is not None:
+            self._give_back(self.verified[1])
+
+    def _give_back(self, store: caches.PassThrough) -> None:
+        if self.graphed and isinstance(store, caches.KVStore):
+            store_lender(self.model).give_back(store.tensors)
+
+    def forward(self, lo: int, hi: int, rows: Rows, tokens: Tensor | None = None, kv=None) -> Tensor:
+        """Logits of canvas positions `[lo, hi)` for every row of `tokens` (default: the canvas; or copies of
+        it, drafts), computing `rows` against the store `kv` (default: the generation's)."""
+        model, canvas, cfg = self.model, self.canvas, self.model.config
+        tokens = canvas.tokens if tokens is None else tokens
+        kv = self.kv if kv is None else kv
+        batch, length = canvas.tokens.shape
+        copies = tokens.shape[0] // batch
+        key_mask, positions = canvas.key_mask, canvas.positions
+        if copies > 1:
+            positions = positions.repeat_interleave(copies, 0)
+            key_mask = None if key_mask is None else key_mask.repeat_interleave(copies, 0)
+        shift = cfg.logit_shift
+        slots = caches.row_slots(rows, lo - shift, hi - shift, length, model.device).expand(tokens.shape[0], -1)
+        if self.compiled and rows.is_slice:
+            rows = Rows(torch.arange(length, device=model.device)[rows.index])
+        if key_mask is not None and not self.cache.stores_kv:
+            key_mask = key_mask[..., rows.index]
+        query_positions = caches.gather_rows(positions, rows)
+        key_mask = visible_keys(cfg, query_positions, positions if self.cache.stores_kv else query_positions,
+                                key_mask)
+        began = _clock(model.device) if self.profile else 0.0
+        if self.graphed:
+            torch.compiler.cudagraph_mark_step_begin()  # the last replay's outputs are no longer read
+        logits = self.run(caches.gather_rows(tokens, rows), query_positions, key_mask, kv, rows, slots.clamp(min=0))
+        if self.graphed:
+            logits = logits.clone()
+        if not rows.is_slice and rows.index.dim() == 2:  # rows served from the store predict nothing this step
+            logits[slots < 0] = 0.0
+        logits[..., cfg.mask_id] = float("-inf")  # a committed position must never stay masked
+        computed = rows.index.shape[-1] if not rows.is_slice else len(range(length)[rows.index])
+        counter = self.kv  # drafts' forwards on a fork count into the generation's store
+        before = counter.rows_per_layer[0]
+        counter.count(tokens.shape[0] * computed, tokens.shape[0] * length)
+        full = counter.rows_per_layer[0] - before == tokens.shape[0] * length  # layer 0 computed every row
+        if self.profile:
+            kind = "verify" if copies > 1 else "full" if full else "cached"
+            self.stats.forward_seconds.setdefault(kind, []).append(_clock(model.device) - began)
+        self.stats.nfe += 1
+        self.stats.full_forwards += int(full)
+        return logits
+
+    def verify(self, drafts: Tensor, lo: int, hi: int, rows: Rows) -> Tensor:
+        """One forward over draft windows `[B, K, hi - lo]` on a fork of the store: the logits
+        `[B, K, hi - lo, V]` the next step would see on each draft. The generation's store is not changed."""
+        batch, copies = drafts.shape[:2]
+        tokens = self.canvas.tokens.repeat_interleave(copies, 0)
+        tokens[:, lo:hi] = drafts.flatten(0, 1)
+        if self.verified is not None:  # drafts the sampler did not take
+            self._give_back(self.verified[1])
+        fork = self.kv.fork(copies, self.allocate)  # graphs: the last fork's addresses again
+        logits = self.forward(lo, hi, rows, tokens, fork).unflatten(0, (batch, copies))
+        self.verified = (drafts, fork, logits, rows)
+        return logits
+
+    def adopt(self, choice: Tensor) -> tuple[Tensor, Tensor]:
+        """Take draft `choice` `[B]` of the last `verify` into the store; returns the chosen drafts `[B, hi - lo]`
+        (for the loop to check against the sampler's commits) and their logits, the next step's."""
+        drafts, fork, logits, rows = self.verified
+        pick = torch.arange(len(choice), device=choice.device)
+        self.kv.adopt(fork, choice, rows.index)
+        self._give_back(fork)
+        self.verified = None
+        return drafts[pick, choice], logits[pick, choice]
+
+# A model's floats (RMSNorm eps) are compiled in as constants: a layer region (`Block`) takes tensors only, and
+# without this a second model with another eps would pass it as a float. The patch is one object that sets torch's
+# process-wide config, so one thread at a time holds it.
+_CONSTANT_FLOATS = torch._dynamo.config.patch(specialize_float=True)
+
+_CONSTANT_FLOATS_LOCK = threading.Lock()
+
+def compiled_run(model: DiffusionLM):
+    """`model.run` under `torch.compile(fullgraph=True)`, made once per model. Shapes that change from call to
+    call (prefix's rows shrinking block by block) are recompiled once as dynamic shapes. On a GPU the compiled
+    forward is replayed as a CUDA graph (`mode="reduce-overhead"`: one launch per forward instead of hundreds),
+    one graph per shape, its store lent by `StoreLender`."""
+    run = getattr(model, "_compiled_run", None)
+    if run is None:
+        mode = "reduce-overhead" if model.device.type == "cuda" else None
+        compiled = torch.compile(model.run, fullgraph=True, mode=mode)
+
+        def run(*args):
+            with _CONSTANT_FLOATS_LOCK, _CONSTANT_FLOATS:
+                return compiled(*args)
+        model._compiled_run = run
+    return run
+
+class StoreLender:
+    """K/V store tensors at addresses that outlive a generation, lent one store at a time. A CUDA graph reads and
+    writes the store where it was recorded: fresh tensors per generation would mean recording every graph again
+    (and, past torch's re-record limit, no graphs at all). A store is lent whole, its tensors in one order (layer i
+    gets the tensor it had). Keeps at most `keep` returned stores."""
+
+    def __init__(self, keep: int = 4):
+        self.free: list[list[Tensor]] = []
+        self.keep = keep
+
+    def take(self, count: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> list[Tensor]:
+        """`count` zeroed tensors (`cache.zeros`' signature), a store returned before where they match."""
+        for i, tensors in enumerate(self.free):
+            if len(tensors) == count and tensors[0].shape == shape and tensors[0].dtype == dtype:
+                return [t.zero_() for t in self.free.pop(i)]
+        tensors = caches.zeros(count, shape, dtype, device)
+        for t in tensors:
+            torch._dynamo.mark_static_address(t, guard=False)  # a graph input that keeps its address
+        return tensors
+
+    def give_back(self, tensors: list[Tensor]) -> None:
+        self.free = [tensors, *self.free][:self.keep]
+
+def store_lender(model: DiffusionLM) -> StoreLender:
+    lender = getattr(model, "_store_lender", None)
+    if lender is None:
+        lender = model._store_lender = StoreLender()
+    return lender
+
+def _clock(device: torch.device) -> float:
+    """Wall-clock seconds once the device has finished its queued work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()

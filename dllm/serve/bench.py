@@ -1,0 +1,92 @@
+"""`dllm bench-serve`: the server's throughput and latency against sequential `dllm.generate`, every served answer
+compared with its sequential one; a table and a plot."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from .client import load, post
+from .http import LocalServer
+from .scheduler import Engine
+
+
+def bench_serve(model, tokenizer, name: str, defaults: dict[str, Any], max_batch: int = 8, requests: int = 64,
+                concurrency: tuple[int, ...] = (1, 4, 16), compile: bool = False, seed: int = 0) -> dict:
+    """Throughput and latency of `requests` chat requests (synthetic tasks) at each client concurrency against a
+    loopback server, and of the same prompts decoded one after another with `dllm.generate`; every served answer
+    is compared with its sequential one."""
+    from .engine import generate
+    from .eval.synthetic import FAMILIES, make_split
+
+    prompts = [ex.prompt for ex in make_split("test", -(-requests // len(FAMILIES)), seed=seed)][:requests]
+    engine = Engine(model, tokenizer, name, defaults, max_batch, compile)
+    bodies = [{"messages": [{"role": "user", "content": p}]} for p in prompts]
+    job = engine.job(bodies[0], chat=True)  # the decoding every request gets
+    options = dict(sampler=job.sampler, cache=job.cache, **job.lengths, seed=job.seed, chat=True, compile=compile)
+    generate(model, tokenizer, prompts[0], **options)  # warm-up
+    began = time.perf_counter()
+    sequential = [generate(model, tokenizer, p, **options) for p in prompts]
+    seconds = time.perf_counter() - began
+    want = [g.texts[0] for g in sequential]
+    tokens = sum(len(g.token_ids[0]) for g in sequential)
+    rows = [{"concurrency": "sequential", "seconds": seconds, "requests_per_s": len(prompts) / seconds,
+             "tokens_per_s": tokens / seconds, "p50_s": None, "p99_s": None, "speedup": 1.0, "errors": 0,
+             "mismatches": 0}]
+    with LocalServer(engine) as local:
+        post(local.url + "/v1/chat/completions", bodies[0])  # warm-up
+        for level in concurrency:
+            run = load(local.url + "/v1/chat/completions", bodies, level)
+            ok = [(answer, latency) for status, answer, latency in run["results"] if status == 200]
+            texts = [answer["choices"][0]["message"]["content"] if status == 200 else None
+                     for status, answer, _ in run["results"]]
+            served = sum(answer["usage"]["completion_tokens"] for answer, _ in ok)
+            latencies = sorted(latency for _, latency in ok) or [float("nan")]
+            rows.append({"concurrency": level, "seconds": run["seconds"],
+                         "requests_per_s": len(ok) / run["seconds"], "tokens_per_s": served / run["seconds"],
+                         "p50_s": latencies[len(latencies) // 2],
+                         "p99_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+                         "speedup": served / run["seconds"] / (tokens / seconds),
+                         "errors": len(prompts) - len(ok),
+                         "mismatches": sum(t is not None and t != w for t, w in zip(texts, want))})
+    config = {"model": name, "sampler": job.sampler.name, "cache": job.cache.name, **job.lengths,
+              "max_batch": max_batch, "requests": len(prompts), "device": str(model.device),
+              "threads": torch.get_num_threads()}
+    return {"config": config, "rows": rows}
+
+def format_bench(result: dict) -> str:
+    c = result["config"]
+    lines = [f"{c['model']} {c['sampler']}/{c['cache']} gen {c['gen_length']} block {c['block_length']} | "
+             f"max batch {c['max_batch']} | {c['requests']} requests | {c['device']}, {c['threads']} threads",
+             f"{'clients':>10} {'req/s':>7} {'tok/s':>8} {'p50 s':>7} {'p99 s':>7} {'speedup':>8} {'errors':>6} "
+             f"{'differ':>6}"]
+    for r in result["rows"]:
+        p50 = "-" if r["p50_s"] is None else f"{r['p50_s']:.3f}"
+        p99 = "-" if r["p99_s"] is None else f"{r['p99_s']:.3f}"
+        lines.append(f"{r['concurrency']:>10} {r['requests_per_s']:7.2f} {r['tokens_per_s']:8.1f} {p50:>7} "
+                     f"{p99:>7} {r['speedup']:7.2f}x {r['errors']:6d} {r['mismatches']:6d}")
+    return "\n".join(lines) + "\n"
+
+def plot_bench(result: dict, path: str) -> bool:
+    """Served tokens/s against client concurrency, sequential decoding as a line; False without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    served = [r for r in result["rows"] if r["concurrency"] != "sequential"]
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.plot([r["concurrency"] for r in served], [r["tokens_per_s"] for r in served], "o-", label="dllm serve")
+    ax.axhline(result["rows"][0]["tokens_per_s"], color="grey", ls="--", label="sequential dllm.generate")
+    c = result["config"]
+    ax.set(xscale="log", xlabel="concurrent clients", ylabel="answer tokens / s",
+           title=f"{c['model']} {c['sampler']}/{c['cache']}, max batch {c['max_batch']}")
+    ax.set_xticks([r["concurrency"] for r in served], [str(r["concurrency"]) for r in served])
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

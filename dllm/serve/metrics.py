@@ -1,0 +1,30 @@
+"""The server's Prometheus metrics (prometheus_client, extra `serve`), one registry per engine."""
+
+
+class Metrics:
+    """Prometheus metrics of one server (its own registry)."""
+
+    def __init__(self):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("dllm_requests", "Requests answered, by endpoint and outcome",
+                                ["endpoint", "outcome"], registry=r)
+        self.prompt_tokens = Counter("dllm_prompt_tokens", "Prompt tokens of answered requests", registry=r)
+        self.tokens = Counter("dllm_generated_tokens", "Answer tokens sent", registry=r)
+        self.committed = Counter("dllm_committed_tokens", "Tokens committed by the sampler", registry=r)
+        self.forwards = Counter("dllm_forwards", "Model forwards", registry=r)
+        self.tokens_per_forward = Gauge("dllm_tokens_per_forward", "Committed tokens per forward (all rows), "
+                                        "since start", registry=r)
+        self.queue = Gauge("dllm_queue_depth", "Requests waiting for a batch slot", registry=r)
+        self.rows = Gauge("dllm_batch_rows", "Rows in the running batch", registry=r)
+        buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+        self.latency = Histogram("dllm_request_latency_seconds", "Request latency, submit to last block",
+                                 buckets=buckets, registry=r)
+        self.first_block = Histogram("dllm_first_block_seconds", "Submit to the first final block",
+                                     buckets=buckets, registry=r)
+
+    def text(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)

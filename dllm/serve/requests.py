@@ -1,0 +1,164 @@
+"""An OpenAI request body to a `Job`: the fields we take, the decoding parameters riding next to them, every check
+that can fail before the request is queued (HTTP 400 with the CLI's one-line message)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core.checks import check_int, check_seed
+from ..core.errors import DllmError
+from ..engine.canvas import Canvas
+from ..engine.checks import check_policies
+from ..engine.options import decoding_lengths, lengths_for_answer, split_params
+from ..engine.text import check_plain_text, encode_prompts
+
+OPENAI_FIELDS = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "seed", "stream",
+                 "n", "stop", "user", "stream_options", "ignore_eos",  # ignore_eos as vLLM: decode every block
+                 "top_p", "frequency_penalty", "presence_penalty"}
+
+NEUTRAL = {"top_p": 1, "frequency_penalty": 0, "presence_penalty": 0}  # what clients send by default; no other value
+
+LAYOUT_FIELDS = ("gen_length", "block_length", "steps")
+
+@dataclass
+class Job:
+    """One request: what to decode and where its events go (an asyncio queue, fed from the engine thread)."""
+
+    ids: list[int]
+    lengths: dict[str, int | None]
+    max_tokens: int | None
+    seed: int
+    sampler: Any
+    cache: Any
+    stop: list[str]
+    stream: bool
+    chat: bool
+    key: tuple  # requests with equal keys can share a batch
+    steps_per_block: int = 0
+    stop_early: bool = True
+    loop: asyncio.AbstractEventLoop | None = None
+    events: asyncio.Queue | None = None
+    cancelled: bool = False
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    created: float = field(default_factory=time.time)
+    submitted: float = field(default_factory=time.perf_counter)
+    first_block: float | None = None
+    text: str = ""  # answer text sent so far
+    delivered: bool = False
+
+    def send(self, kind: str, **payload) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, {"kind": kind, **payload})
+
+
+class RequestReader:
+    """Reads request bodies into Jobs for one served model: its name, the server's decoding defaults, and one
+    prepared sampler per configuration (the last 32 used)."""
+
+    def __init__(self, model, tokenizer, name: str, defaults: dict[str, Any], compile: bool = False):
+        self.model, self.tokenizer, self.name, self.defaults, self.compile = model, tokenizer, name, defaults, compile
+        self.samplers: dict[tuple, Any] = {}  # prepared samplers by configuration, least recently used first
+        self.lock = threading.Lock()  # requests are read on several threads
+
+    def job(self, body: Any, chat: bool) -> Job:
+        """Validate a request body into a Job (DllmError: the one-line reason)."""
+        if not isinstance(body, dict):
+            raise DllmError("the request body must be a JSON object")
+        if body.get("model") not in (None, self.name):
+            raise DllmError(f"model {body['model']!r} is not served here; this server serves {self.name!r} "
+                            f"(GET /v1/models)")
+        if body.get("n", 1) != 1:
+            raise DllmError(f"n must be 1, got {body['n']!r}; send one request per answer")
+        for name, neutral in NEUTRAL.items():
+            if body.get(name, neutral) not in (None, neutral):
+                raise DllmError(f"{name} is not supported (the sampler decides what to commit); drop it or send "
+                                f"{neutral}")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise DllmError(f"stream must be true or false, got {stream!r}")
+        ignore_eos = body.get("ignore_eos", False)
+        if not isinstance(ignore_eos, bool):
+            raise DllmError(f"ignore_eos must be true or false, got {ignore_eos!r}")
+        stop = body.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+            raise DllmError(f"stop must be a string or a list of non-empty strings, got {body.get('stop')!r}")
+        ids = self._prompt_ids(body, chat)
+        params = {k: v for k, v in body.items() if k not in OPENAI_FIELDS and k not in LAYOUT_FIELDS
+                  and k not in ("sampler", "cache", "sampler_args", "cache_args")}
+        if body.get("temperature") is not None:
+            params["temperature"] = body["temperature"]
+        for name in ("sampler_args", "cache_args"):
+            if not isinstance(body.get(name) or {}, dict):
+                raise DllmError(f"{name} must be a JSON object of parameters, got {body[name]!r}")
+        d = self.defaults
+        same_sampler = body.get("sampler", d["sampler"]) == d["sampler"]
+        same_cache = body.get("cache", d["cache"]) == d["cache"]
+        sampler, cache = split_params(
+            body.get("sampler", d["sampler"]), body.get("cache", d["cache"]), params,
+            {**(d["sampler_args"] if same_sampler else {}), **(body.get("sampler_args") or {})},
+            {**(d["cache_args"] if same_cache else {}), **(body.get("cache_args") or {})})
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        if max_tokens is not None:
+            check_int("max_tokens", max_tokens, 1)
+        layout = {k: body.get(k, d.get(k)) for k in LAYOUT_FIELDS}
+        lengths = lengths_for_answer(decoding_lengths(self.model, **layout), max_tokens)
+        lengths = decoding_lengths(self.model, **lengths)  # validated again after rounding
+        seed = check_seed(body.get("seed", d["seed"]))
+        Canvas.check(self.model, [ids], lengths["gen_length"])  # prompt too long etc.
+        check_policies(self.model, sampler, cache, self.compile)
+        sampler_key = (sampler.name, json.dumps(sampler.config(), sort_keys=True, default=str))
+        sampler = self._prepared(sampler_key, sampler)
+        block, gen = lengths["block_length"], lengths["gen_length"]
+        steps_per_block = (lengths["steps"] or gen) // (gen // block)
+        key = (*sampler_key, cache.name, json.dumps(cache.config(), sort_keys=True, default=str), block,
+               steps_per_block, not ignore_eos)
+        if not (sampler.block_local and cache.block_fresh):
+            key += (gen,)  # a batch that runs to its end decodes one layout
+        if cache.rows_coupled:
+            key += (uuid.uuid4().hex,)  # decoded alone, so the answer is the prompt's alone
+        return Job(ids, lengths, max_tokens, seed, sampler, cache, stop, stream, chat, key,
+                   steps_per_block=steps_per_block, stop_early=not ignore_eos)
+
+    def _prepared(self, key: tuple, sampler):
+        """One prepared sampler object per configuration (the last 32 used): `prepare` reads the tokenizer once
+        (AdaBlock scans the whole vocabulary), and a sampler keeps no per-run state, so requests share it."""
+        with self.lock:
+            known = self.samplers.pop(key, None)
+        if known is None:
+            sampler.prepare(self.tokenizer)
+            known = sampler
+        with self.lock:
+            self.samplers[key] = known
+            while len(self.samplers) > 32:
+                self.samplers.pop(next(iter(self.samplers)))
+        return known
+
+    def _prompt_ids(self, body: dict, chat: bool) -> list[int]:
+        tok = self.tokenizer
+        if not chat:
+            prompt = body.get("prompt")
+            if prompt is None:
+                raise DllmError("prompt is missing; give a string (or a list of token ids)")
+            if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+                if len(prompt) > 1:
+                    raise DllmError("send one prompt per request (got a list of strings)")
+                prompt = prompt[0]
+            return encode_prompts(tok, [prompt], chat=False)[0]
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise DllmError("messages must be a non-empty list of {\"role\": ..., \"content\": \"text\"} objects")
+        if getattr(tok, "chat_template", None) is None:
+            raise DllmError("this model's tokenizer has no chat template; use /v1/completions")
+        for i, m in enumerate(messages):
+            check_plain_text(tok, m["content"], f"message {i}")
+        if len(messages) == 1 and messages[0]["role"] == "user":
+            return encode_prompts(tok, [messages[0]["content"]], chat=True)[0]  # exactly `dllm generate`'s
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return encode_prompts(tok, [text], chat=False)[0]
