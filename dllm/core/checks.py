@@ -19,7 +19,9 @@ def check_int(name: str, value: Any, minimum: int | None = None, maximum: int | 
         raise DllmError(f"{name} must be at most {maximum}, got {value}")
     return value
 
+
 MAX_SEED = 2**63 - 1  # torch.Generator seeds are 64-bit
+
 
 def check_seed(seed: Any) -> int:
     return check_int("seed", seed, 0, MAX_SEED)

@@ -31,6 +31,7 @@ class Generation:
     cache: dict[str, Any]
     trace: list[dict] | None = None
 
+
 def _prepare(model: DiffusionLM, tokenizer, prompts, sampler, cache, gen_length, block_length, steps, seed, chat,
              flags: dict[str, Any], sampler_args, cache_args, params):
     """`generate`'s and `stream`'s checks and setup: the sampler and cache, the lengths, the seed and flags, then
@@ -48,6 +49,7 @@ def _prepare(model: DiffusionLM, tokenizer, prompts, sampler, cache, gen_length,
         raise DllmError(f"seed is a list of {len(seed)} seeds for {len(ids)} prompts; give one per prompt or one int")
     sampler.prepare(tokenizer)
     return sampler, cache, lengths, ids
+
 
 def generate(model: DiffusionLM, tokenizer, prompts, sampler: str | Sampler = "low_confidence",
              cache: str | Cache | None = None, gen_length: int | None = None, block_length: int | None = None,
@@ -79,6 +81,7 @@ def generate(model: DiffusionLM, tokenizer, prompts, sampler: str | Sampler = "l
     return Generation([answer_text(tokenizer, ids) for ids in token_ids], token_ids, canvas.tokens, stats,
                       sampler.config(), cache.config(), steps_trace)
 
+
 class Stream:
     """One prompt's answer while it is decoded (`stream`): iterating yields the text each decoded block adds;
     afterwards `generation` holds what `generate` returns for the prompt alone."""
@@ -100,6 +103,7 @@ class Stream:
         if self.generation is None:
             self.generation = Generation([text], [ids], batch.canvas.tokens, batch.finish(), batch.sampler.config(),
                                          batch.cache.config(), batch.trace)
+
 
 def stream(model: DiffusionLM, tokenizer, prompt, sampler: str | Sampler = "low_confidence",
            cache: str | Cache | None = None, gen_length: int | None = None, block_length: int | None = None,

@@ -74,6 +74,7 @@ class Canvas:
         return cls(tokens.to(device), positions.to(device), key_mask, int(gen_start.min()), gen_start, gen_end, answer,
                    torch.tensor(cfg.stop_ids, device=device))
 
+
 def _finish_rows(canvas: Canvas, finished: Tensor, cfg) -> Tensor:
     """Mark rows whose answer is complete (its first stop token comes before its first mask) and write the filler
     into their remaining masks. Returns the updated `finished`."""

@@ -39,6 +39,7 @@ def check_lengths(gen_length: int, block_length: int, steps: int | None, model_b
                         f"and gen_length ({gen_length})")
     return steps // blocks
 
+
 def check_policies(model: DiffusionLM, sampler: Sampler, cache: Cache, compile: bool = False) -> None:
     """The sampler, the cache and the model can decode together (else the one-line reason)."""
     cfg = model.config
@@ -74,11 +75,13 @@ def check_policies(model: DiffusionLM, sampler: Sampler, cache: Cache, compile: 
         raise DllmError(f"MoE layers ({cfg.arch}) compile in bfloat16 only (torch's grouped matmul traces for no "
                         f"other type); use --dtype bfloat16 or drop --compile")
 
+
 def check_block_layout(model: DiffusionLM, block_length: int) -> None:
     size = model.config.block_size
     if size and block_length != size:
         raise DllmError(f"block_length ({block_length}) must equal the model's attention block ({size}) on a "
                         f"block-causal model ({model.config.arch}); use --block-length {size}")
+
 
 def check_compile(cache: Cache, compile: bool) -> None:
     if compile and not cache.compiles:

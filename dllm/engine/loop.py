@@ -37,6 +37,7 @@ class Row:
     decoded: int = 0  # positions from `origin` before the current block (whole blocks), as of the last layout
     finished: bool = False  # a stop token committed with nothing masked before it
 
+
 class Batch:
     """Rows decoded together, block by block, all with the same sampler, cache and block layout: the one decode
     loop. `decode` runs a fixed batch to the end; `dllm serve` also adds and removes rows between blocks
@@ -264,6 +265,7 @@ class Batch:
         self.start, self.block, self._saved = end, block + 1, False
         stats.seconds += _clock(model.device) - start_time
         stats.gen_tokens += int(committed)
+
 
 @torch.no_grad()
 def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache: Cache, gen_length: int,

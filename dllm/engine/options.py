@@ -38,14 +38,17 @@ def split_params(sampler: str | Sampler, cache: str | Cache, params: dict[str, A
                         f"{', '.join(cache_cls.param_names()) or 'nothing'}")
     return samplers_mod.SAMPLERS.create(sampler, **s_args), caches.CACHES.create(cache, **c_args)
 
+
 def default_cache(model: DiffusionLM) -> str:
     """The cache used when none is named: on a block-causal model the exact finished-block cache (the tokens of
     recomputing everything, far fewer rows computed), else none (the papers' vanilla decoding)."""
     return "block" if model.config.block_size else "none"
 
+
 DEFAULT_GEN_LENGTH = 64  # answer tokens: the canvas the shipped tiny models were trained on (48..64)
 
 DEFAULT_BLOCK_LENGTH = 32
+
 
 def decoding_lengths(model: DiffusionLM, gen_length: int | None = None, block_length: int | None = None,
                      steps: int | None = None) -> dict[str, int | None]:
@@ -76,10 +79,12 @@ def decoding_lengths(model: DiffusionLM, gen_length: int | None = None, block_le
         raise DllmError(f"{e} ({' and '.join(from_file)} from the model's generation_config.json)") from None
     return {"gen_length": gen_length, "block_length": block_length, "steps": steps}
 
+
 def _default_block(gen_length) -> int:
     if isinstance(gen_length, bool) or not isinstance(gen_length, int) or gen_length < 1:
         return DEFAULT_BLOCK_LENGTH  # check_lengths names the problem
     return max(b for b in range(1, min(gen_length, DEFAULT_BLOCK_LENGTH) + 1) if gen_length % b == 0)
+
 
 def lengths_for_answer(lengths: dict[str, int | None], max_tokens: int | None) -> dict[str, int | None]:
     """Decoding lengths (`decoding_lengths`) for an answer of at most `max_tokens` tokens: the canvas in whole

@@ -112,12 +112,14 @@ class Runner:
         self.verified = None
         return drafts[pick, choice], logits[pick, choice]
 
+
 # A model's floats (RMSNorm eps) are compiled in as constants: a layer region (`Block`) takes tensors only, and
 # without this a second model with another eps would pass it as a float. The patch is one object that sets torch's
 # process-wide config, so one thread at a time holds it.
 _CONSTANT_FLOATS = torch._dynamo.config.patch(specialize_float=True)
 
 _CONSTANT_FLOATS_LOCK = threading.Lock()
+
 
 def compiled_run(model: DiffusionLM):
     """`model.run` under `torch.compile(fullgraph=True)`, made once per model. Shapes that change from call to
@@ -134,6 +136,7 @@ def compiled_run(model: DiffusionLM):
                 return compiled(*args)
         model._compiled_run = run
     return run
+
 
 class StoreLender:
     """K/V store tensors at addresses that outlive a generation, lent one store at a time. A CUDA graph reads and
@@ -158,11 +161,13 @@ class StoreLender:
     def give_back(self, tensors: list[Tensor]) -> None:
         self.free = [tensors, *self.free][:self.keep]
 
+
 def store_lender(model: DiffusionLM) -> StoreLender:
     lender = getattr(model, "_store_lender", None)
     if lender is None:
         lender = model._store_lender = StoreLender()
     return lender
+
 
 def _clock(device: torch.device) -> float:
     """Wall-clock seconds once the device has finished its queued work."""

@@ -31,9 +31,11 @@ def encode_prompts(tokenizer, prompts, chat: bool | None) -> list[list[int]]:
                             f"(wrap one prompt's ids in a list: [[1, 2, 3]])")
     return out
 
+
 def _is_int(t) -> bool:
     return (isinstance(t, int) and not isinstance(t, bool)) or (isinstance(t, Tensor) and t.dim() == 0
                                                                  and not t.dtype.is_floating_point)
+
 
 def check_plain_text(tokenizer, text: str, what: str) -> None:
     """Text that goes into the chat template must not hold the tokenizer's special tokens: `<|eot_id|>` typed in
@@ -44,6 +46,7 @@ def check_plain_text(tokenizer, text: str, what: str) -> None:
     if found is not None:
         raise DllmError(f"{what} contains the special token {found!r}, which the chat template would read as a "
                         f"control token; remove it (chat=False / --no-chat sends raw text as it is)")
+
 
 def _encode_text(tokenizer, text: str, row: int, chat: bool) -> list[int]:
     if not text.strip():
@@ -58,6 +61,7 @@ def _encode_text(tokenizer, text: str, row: int, chat: bool) -> list[int]:
                                              tokenize=False)
     return encode_text(tokenizer, text, f"prompt {row}")
 
+
 def encode_text(tokenizer, text: str, what: str) -> list[int]:
     """Token ids of `text` as it is (no special tokens added); characters the tokenizer does not know are an error
     naming `what`, never a silent unk (the tiny models' unk is their end of text)."""
@@ -71,6 +75,7 @@ def encode_text(tokenizer, text: str, what: str) -> list[int]:
         raise DllmError(f"{what} has characters the tokenizer does not know: "
                         f"{', '.join(map(repr, unknown))}; remove or replace them")
     return enc["input_ids"]
+
 
 def answer_text(tokenizer, ids: list[int]) -> str:
     """The text of answer token ids (ids past the tokenizer's vocabulary, a padded embedding's, are dropped)."""

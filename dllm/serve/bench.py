@@ -55,6 +55,7 @@ def bench_serve(model, tokenizer, name: str, defaults: dict[str, Any], max_batch
               "threads": torch.get_num_threads()}
     return {"config": config, "rows": rows}
 
+
 def format_bench(result: dict) -> str:
     c = result["config"]
     lines = [f"{c['model']} {c['sampler']}/{c['cache']} gen {c['gen_length']} block {c['block_length']} | "
@@ -67,6 +68,7 @@ def format_bench(result: dict) -> str:
         lines.append(f"{r['concurrency']:>10} {r['requests_per_s']:7.2f} {r['tokens_per_s']:8.1f} {p50:>7} "
                      f"{p99:>7} {r['speedup']:7.2f}x {r['errors']:6d} {r['mismatches']:6d}")
     return "\n".join(lines) + "\n"
+
 
 def plot_bench(result: dict, path: str) -> bool:
     """Served tokens/s against client concurrency, sequential decoding as a line; False without matplotlib."""

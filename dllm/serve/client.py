@@ -18,6 +18,7 @@ def post(url: str, body: dict | bytes, timeout: float = 300.0) -> tuple[int, dic
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read() or b"{}")
 
+
 def load(url: str, bodies: list[dict], concurrency: int) -> dict:
     """Send `bodies` to `url` from `concurrency` client threads, each one request after another; returns the
     answers in order with their latencies, and the wall time."""

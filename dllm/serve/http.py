@@ -88,7 +88,9 @@ def create_app(engine: Engine):
 
     return app
 
+
 MAX_BODY_BYTES = 4 << 20  # far past any prompt a model's context holds
+
 
 async def _read_body(request) -> bytes | None:
     """The request body, or None past `MAX_BODY_BYTES` (read no further)."""
@@ -102,6 +104,7 @@ async def _read_body(request) -> bytes | None:
             return None
     return bytes(body)
 
+
 async def _next_event(job: Job, request) -> dict | None:
     """The job's next event; None (and the job cancelled: its row stops at the next step) once the client has
     gone."""
@@ -112,6 +115,7 @@ async def _next_event(job: Job, request) -> dict | None:
             if await request.is_disconnected():
                 job.cancelled = True
                 return None
+
 
 async def _sse(job: Job, base: dict, chat: bool, request):
     """Server-sent events: a chunk per decoded block, then the finish reason (and usage), then [DONE]."""
@@ -143,6 +147,7 @@ async def _sse(job: Job, base: dict, chat: bool, request):
         if not job.delivered:
             job.cancelled = True  # the client went away: its row stops at the next step
 
+
 def server(app, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: float = 30.0, engine: Engine | None = None,
            log_level: str = "info"):
     """A uvicorn server for `app` whose SIGTERM/SIGINT first makes `engine` refuse new requests, then lets
@@ -157,6 +162,7 @@ def server(app, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: flo
 
     return Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                  timeout_graceful_shutdown=shutdown_timeout))
+
 
 class LocalServer:
     """`create_app(engine)` served on a free loopback port from a background thread (tests, `dllm bench-serve`)."""

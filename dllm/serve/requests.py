@@ -25,6 +25,7 @@ NEUTRAL = {"top_p": 1, "frequency_penalty": 0, "presence_penalty": 0}  # what cl
 
 LAYOUT_FIELDS = ("gen_length", "block_length", "steps")
 
+
 @dataclass
 class Job:
     """One request: what to decode and where its events go (an asyncio queue, fed from the engine thread)."""

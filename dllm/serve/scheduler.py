@@ -20,9 +20,11 @@ from .requests import Job, RequestReader
 class ShuttingDown(Exception):
     pass
 
+
 def _stop_start(text: str, stops: list[str]) -> int:
     """The length of the longest end of `text` that begins one of `stops` (0 if none)."""
     return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+
 
 def _tokens_through_stop(tokenizer, ids: list[int], stops: list[str]) -> int:
     """How many of `ids` it takes for the text to contain one of `stops` (as vLLM counts a stopped completion)."""
@@ -32,6 +34,7 @@ def _tokens_through_stop(tokenizer, ids: list[int], stops: list[str]) -> int:
         text = answer_text(tokenizer, ids[:mid])
         low, high = (low, mid) if any(s in text for s in stops) else (mid + 1, high)
     return low
+
 
 class Engine:
     """The decode loop's driver: admits waiting jobs between blocks, runs blocks, sends each job its new text."""
