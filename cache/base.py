@@ -166,7 +166,7 @@ class PlanContext:
 
     canvas: Any  # the generation's `Canvas`: tokens [B, L], positions [B, L], key_mask (read only)
     masked: Tensor  # [B, L] bool: masked now
-    decoded: Tensor | None  # [B, L] bool: decoded since the previous forward was planned (None before the first)
+    masked_before: Tensor | None  # [B, L] bool: masked when the previous forward was planned (None before the first)
     next_commits: Tensor | None  # [B, L] bool: what the next step commits (caches with `needs_next_commits`)
     step: int  # step inside the block, from 0
     start: int  # block [start, end)
@@ -175,6 +175,12 @@ class PlanContext:
     hi: int
     shift: int  # 1 for AR-shifted models (Dream): position i is scored by row i - 1
     family: str  # "llada" | "dream": whose papers' defaults apply (aligned logits: LLaDA's; shifted: Dream's)
+
+    @property
+    def decoded(self) -> Tensor | None:
+        """[B, L] bool: decoded since the previous forward was planned (None before the first); computed only for
+        the caches that ask."""
+        return None if self.masked_before is None else self.masked_before & ~self.masked
 
 
 @dataclass

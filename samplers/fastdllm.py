@@ -8,13 +8,13 @@ import torch
 from dllm.core.params import param
 
 from . import register
-from .base import Commit, Sampler, StepContext, gumbel_argmax, token_probability, top_k_per_row
+from .base import (Commit, Sampler, StepContext, gumbel_argmax, most_confident, token_probability,
+                   top_k_per_row)
 
 
 def threshold_commit(confidence, eligible, threshold: float, strict: bool = False):
     """Every eligible position with confidence >= threshold (> with `strict`), and always the most confident one."""
-    best = top_k_per_row(confidence, eligible, torch.ones_like(eligible[:, 0], dtype=torch.long))
-    return best | (eligible & (confidence > threshold if strict else confidence >= threshold))
+    return most_confident(confidence, eligible) | (eligible & (confidence > threshold if strict else confidence >= threshold))
 
 
 def _ranked(confidence, eligible):

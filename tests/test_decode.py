@@ -7,7 +7,7 @@ from conftest import random_model
 from dllm import cache as caches
 from dllm import samplers
 from dllm.engine import decode
-from dllm.engine.canvas import Canvas, _finish_rows
+from dllm.engine.canvas import Canvas
 from dllm.models import Rows
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
@@ -124,7 +124,7 @@ def test_finished_rows_get_filler_and_stop(model):
     canvas = Canvas.build(model, [[5, 6], [7, 8]], 6)
     M, S = cfg.mask_id, cfg.stop_ids[0]
     canvas.tokens[:, 2:] = torch.tensor([[1, S, M, 3, M, M], [M, S, M, M, M, M]])
-    finished = _finish_rows(canvas, torch.zeros(2, dtype=torch.bool), cfg)
+    finished = canvas.finish_rows(torch.zeros(2, dtype=torch.bool), cfg)
     assert finished.tolist() == [True, False]  # row 1 still has a mask before its stop token
     assert canvas.tokens[0, 2:].tolist() == [1, S, cfg.filler_id, 3, cfg.filler_id, cfg.filler_id]
     assert (canvas.tokens[1, 2:] == torch.tensor([M, S, M, M, M, M])).all()

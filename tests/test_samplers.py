@@ -8,7 +8,7 @@ import torch
 import dllm
 from dllm import samplers
 from dllm.samplers import StepContext
-from dllm.samplers.base import gumbel_argmax, top_k_per_row
+from dllm.samplers.base import gumbel_argmax, most_confident, top_k_per_row
 
 
 def ctx_for(probs, eligible=None, step=0, steps=1, seed=0, state=None):
@@ -149,3 +149,15 @@ def test_dream_alg_temp_zero_is_top_k():
     for name in ("maskgit_plus", "topk_margin", "entropy"):
         plain = samplers.SAMPLERS.create(name).step(ctx_for(probs, steps=2)).mask
         assert torch.equal(samplers.SAMPLERS.create(name, alg_temp=0.0).step(ctx_for(probs, steps=2)).mask, plain)
+
+
+def test_most_confident_is_top_one_per_row_ties_to_the_lowest_position():
+    """The one-per-row path equals top_k_per_row with k = 1, on ties (coarse confidences) and on rows with nothing
+    eligible."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        confidence = torch.randint(0, 4, (6, 9), generator=g).float() / 4  # many exact ties
+        eligible = torch.rand(6, 9, generator=g) < 0.5
+        eligible[0] = False
+        want = top_k_per_row(confidence, eligible, torch.ones(6, dtype=torch.long))
+        assert torch.equal(most_confident(confidence, eligible), want)

@@ -14,7 +14,7 @@ from .checks import check_lengths
 from .loop import Batch, Row, decode
 from .options import decoding_lengths, default_cache, split_params
 from .stats import Stats
-from .text import _is_int, answer_text, encode_prompts
+from .text import is_token_id, answer_text, encode_prompts
 
 if TYPE_CHECKING:
     from ..cache import Cache
@@ -119,7 +119,7 @@ def stream(model: DiffusionLM, tokenizer, prompt, sampler: str | Sampler = "low_
 
     The tokens are `generate`'s for that prompt (the same loop); a block's text appears once the block is
     decoded (blocks are final, left to right)."""
-    one = isinstance(prompt, str) or isinstance(prompt, (list, tuple, Tensor)) and all(_is_int(t) for t in prompt)
+    one = isinstance(prompt, str) or isinstance(prompt, (list, tuple, Tensor)) and all(is_token_id(t) for t in prompt)
     if not one:
         raise DllmError(f"stream takes one prompt (a string or a list of token ids), got {prompt!r}; "
                         f"use generate for a batch")

@@ -74,14 +74,13 @@ class Canvas:
         return cls(tokens.to(device), positions.to(device), key_mask, int(gen_start.min()), gen_start, gen_end, answer,
                    torch.tensor(cfg.stop_ids, device=device))
 
-
-def _finish_rows(canvas: Canvas, finished: Tensor, cfg) -> Tensor:
-    """Mark rows whose answer is complete (its first stop token comes before its first mask) and write the filler
-    into their remaining masks. Returns the updated `finished`."""
-    tokens, length = canvas.tokens, canvas.tokens.shape[1]
-    column = torch.arange(length, device=tokens.device)
-    first_stop = torch.where(torch.isin(tokens, canvas.stop_ids) & canvas.answer, column, length).amin(1)
-    masked = (tokens == cfg.mask_id) & canvas.answer
-    done = first_stop < torch.where(masked, column, length).amin(1)  # no stop: first_stop == length
-    tokens.masked_fill_(masked & done[:, None], cfg.filler_id)
-    return finished | done
+    def finish_rows(self, finished: Tensor, cfg) -> Tensor:
+        """Mark rows whose answer is complete (its first stop token comes before its first mask) and write the filler
+        into their remaining masks. Returns the updated `finished`."""
+        tokens, length = self.tokens, self.tokens.shape[1]
+        column = torch.arange(length, device=tokens.device)
+        first_stop = torch.where(torch.isin(tokens, self.stop_ids) & self.answer, column, length).amin(1)
+        masked = (tokens == cfg.mask_id) & self.answer
+        done = first_stop < torch.where(masked, column, length).amin(1)  # no stop: first_stop == length
+        tokens.masked_fill_(masked & done[:, None], cfg.filler_id)
+        return finished | done

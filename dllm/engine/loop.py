@@ -3,6 +3,7 @@ chose, then the sampler's commits; `decode` runs a fixed batch to its end."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Callable
 
@@ -13,10 +14,10 @@ from .. import cache as caches
 from .. import samplers as samplers_mod
 from ..core.errors import DllmError
 from ..models import DiffusionLM, Rows
-from .canvas import Canvas, _finish_rows
+from .canvas import Canvas
 from .checks import check_block_layout, check_lengths, check_policies
-from .runner import Runner, _clock
-from .stats import Stats, _trace_step
+from .runner import Runner, clock
+from .stats import Stats, trace_step
 
 if TYPE_CHECKING:
     from ..cache import Cache
@@ -59,6 +60,7 @@ class Batch:
         self.block_length, self.steps_per_block = block_length, steps_per_block
         self.stop_early, self.profile, self.callback, self.compile = stop_early, profile, callback, compile
         self.joins_between_blocks = sampler.block_local and cache.block_fresh
+        self.family = "dream" if model.config.logit_shift else "llada"  # for the defaults papers set per family
         self.rows: list[Row] = []
         self.stats, self.trace = Stats(batch=0, rows_per_layer=[0] * model.config.n_layers), [] if trace else None
         self.canvas: Canvas | None = None  # None: rows changed since the last layout
@@ -102,6 +104,7 @@ class Batch:
             row.finished = True
         else:
             self.finished[self.rows.index(row)] = True
+            self.unfinished[self.rows.index(row)] = False
             self._saved = False
 
     def answer(self, row: Row) -> list[int]:
@@ -145,8 +148,16 @@ class Batch:
         self.stats.batch = max(self.stats.batch, len(rows))
         self.state = SimpleNamespace()  # the sampler's per-run state
         self.generators = [row.generator for row in rows]
-        self.finished = torch.tensor([row.finished for row in rows], dtype=torch.bool, device=model.device)
+        self._set_finished(torch.tensor([row.finished for row in rows], dtype=torch.bool, device=model.device))
+        self.window = None  # (lo, hi, start, end), positions, in the block: of the last step (`_window`)
+        self.never = torch.zeros((), dtype=torch.bool, device=model.device)  # the stall check of a sampler that may
+        # commit nothing
         self.masked_at_plan = None  # the canvas's masks when the last forward was planned
+        longest = int((self.canvas.gen_end - self.canvas.gen_start).max())
+        self.total_steps = self.steps_per_block * -(-longest // self.block_length)  # of the longest row
+
+    def _set_finished(self, finished: Tensor) -> None:
+        self.finished, self.unfinished = finished, ~finished  # [B] bool, both read at every step
 
     def _count_store(self) -> None:
         """Add the retiring store's row counts to the statistics."""
@@ -164,107 +175,141 @@ class Batch:
 
     @torch.no_grad()
     def run_block(self) -> None:
-        """Decode the next block of every row."""
+        """Decode the next block of every row: a step per forward until no row has a mask left in the block."""
         if not self.rows:
             raise DllmError("the batch has no rows; add a prompt first")
         if self.canvas is None:
             self._layout()
-        model, sampler, cache, canvas, runner = self.model, self.sampler, self.cache, self.canvas, self.runner
-        cfg, stats, kv = model.config, self.stats, self.runner.kv
-        family = "dream" if cfg.logit_shift else "llada"  # for the defaults papers set per family
-        batch, length = canvas.tokens.shape
-        prompt_length, start, block = canvas.prompt_length, self.start, self.block
-        total_steps = self.steps_per_block * -(-int((canvas.gen_end - canvas.gen_start).max()) // self.block_length)
-        committed = torch.zeros((), dtype=torch.long, device=model.device)
-
-        def plan(step: int, start: int, end: int) -> tuple[int, int, Rows]:
-            """Candidate window `[lo, hi)` of a step and the rows to compute for it."""
-            lo, hi = sampler.logit_window(prompt_length, length, start, end, step)
-            lo, hi = min(lo, start), max(hi, end)
-            masked = canvas.tokens == cfg.mask_id
-            decoded = None if self.masked_at_plan is None else self.masked_at_plan & ~masked
-            self.masked_at_plan = masked
-            next_commits = sampler.next_commits(self.state) if cache.needs_next_commits else None
-            return lo, hi, cache.plan(kv, caches.PlanContext(
-                canvas=canvas, masked=masked, decoded=decoded, next_commits=next_commits, step=step, start=start,
-                end=end, lo=lo, hi=hi, shift=cfg.logit_shift, family=family))
-
-        def open_rows(start: int, end: int, again: Tensor | None = None) -> Tensor:
-            """[B] rows with a mask left in the block, or (token editing) asking for another step."""
-            masks_left = ((canvas.tokens[:, start:end] == cfg.mask_id) & ~self.finished[:, None]).any(1)
-            return masks_left if again is None else masks_left | (again & ~self.finished)
-
-        start_time = _clock(model.device)
-        end = min(start + self.block_length, length)
+        began = clock(self.model.device)
+        start = self.start
+        end = min(start + self.block_length, self.canvas.tokens.shape[1])
+        committed = torch.zeros((), dtype=torch.long, device=self.model.device)
         step, reused = 0, None  # reused: (window, logits) of a verified draft the sampler committed
-        open_now = open_rows(start, end).tolist()
+        open_now = self._open_rows(start, end).tolist()
         while any(open_now):
-            # a row draws random numbers only at its own steps (when it has masks left), as it does alone
-            generators = [g if o else None for g, o in zip(self.generators, open_now)]
-            counted = list(kv.rows_per_layer) if self.trace is not None else None
-            lo, hi, rows = plan(step, start, end)
-            logits = reused[1] if reused is not None and reused[0] == (lo, hi) else runner.forward(lo, hi, rows)
-            masked = self.masked_at_plan[:, lo:hi] & ~self.finished[:, None]  # the forward left the tokens as planned
-            positions = torch.arange(lo, hi, device=model.device)
-
-            def verify(drafts: Tensor, step=step, start=start, end=end, lo=lo, hi=hi) -> Tensor:
-                next_lo, next_hi, next_rows = plan(step + 1, start, end)  # refreshes mid-block: refused up front
-                if (next_lo, next_hi) != (lo, hi):
-                    raise DllmError(f"sampler {sampler.name!r} verifies drafts with the logits of the next step, "
-                                    f"so its logit_window must not change inside a block")
-                return runner.verify(drafts, lo, hi, next_rows)
-
-            in_block = (positions >= start) & (positions < end)
-            editable = None
-            if sampler.edits:  # decoded answer tokens of this block; never the prompt (its tail shares the block)
-                decoded = (canvas.tokens[:, lo:hi] != cfg.mask_id) & ~self.finished[:, None]
-                editable = decoded & in_block & (positions >= canvas.gen_start[:, None])
-            ctx = samplers_mod.StepContext(
-                logits=logits, eligible=masked & in_block, masked=masked,
-                positions=positions, canvas=canvas.tokens, step=step, steps=self.steps_per_block, block=block,
-                generators=generators, nfe=stats.nfe - 1, total_steps=total_steps, block_start=start,
-                block_end=end, prompt_length=prompt_length, state=self.state,
-                forward=verify if sampler.drafts else None, editable=editable,
-                family=family)
+            counted = list(self.runner.kv.rows_per_layer) if self.trace is not None else None
+            lo, hi, rows = self._plan(step, start, end)
+            logits = reused[1] if reused is not None and reused[0] == (lo, hi) else self.runner.forward(lo, hi, rows)
+            ctx = self._context(logits, step, start, end, lo, hi, open_now)
             if step == 0:  # the block-start forward may move the block end (AdaBlock)
-                end = sampler.block_end(ctx)
-                if not start < end <= length:
-                    raise DllmError(f"sampler {sampler.name!r} chose block end {end} outside ({start}, {length}]")
-                ctx.block_end = end
-                ctx.eligible = masked & (positions >= start) & (positions < end)
-            out = sampler.step(ctx)
-            if not isinstance(out, samplers_mod.Commit):
-                raise DllmError(f"sampler {sampler.name!r} returned {type(out).__name__} from step; return a "
-                                f"Commit(mask, tokens, confidence)")
-            commit = out.mask & masked
-            stalled = (ctx.eligible.any(1) & ~(commit & ctx.eligible).any(1)).any() & (not sampler.may_commit_nothing)
-            written = commit if editable is None or out.edit is None else commit | (out.edit & editable)
-            canvas.tokens[:, lo:hi] = torch.where(written, out.tokens, canvas.tokens[:, lo:hi])
-            checks, reused = [stalled], None
-            if out.verified is not None:
-                draft, draft_logits = runner.adopt(out.verified)
-                checks.append((draft != canvas.tokens[:, lo:hi]).any())  # the draft differs from the commits
-                reused = ((lo, hi), draft_logits)
+                end = self._move_block_end(ctx)
+            out = self.sampler.step(ctx)
+            commit, checks, reused = self._write(ctx, out, lo, hi)
             committed += commit.sum()
-            if self.trace is not None:
-                rows_per_layer = [now - before for now, before in zip(kv.rows_per_layer, counted)]
-                self.trace.append(_trace_step(block, step, rows_per_layer, positions, commit, out, logits))
-            if self.stop_early:
-                self.finished = _finish_rows(canvas, self.finished, cfg)
-            if self.callback is not None:
-                self.callback({"block": block, "step": step, "committed": int(commit.sum())})
-            flags = torch.cat([open_rows(start, end, out.again), torch.stack(checks)]).tolist()  # one device wait
-            open_now, (stalled, *diverged) = flags[:batch], flags[batch:]
-            if stalled:
-                raise DllmError(f"sampler {sampler.name!r} committed nothing for an unfinished row at block "
-                                f"{block} step {step}; a sampler must commit at least one position per row")
-            if any(diverged):
-                raise DllmError("a sampler returned a verified draft that differs from its commits; commit exactly "
-                                "the chosen draft")
+            self._after_step(ctx, out, commit, counted)
+            open_now = self._open_rows_checked(ctx, out, checks)  # the step's one wait for the device
             step += 1
-        self.start, self.block, self._saved = end, block + 1, False
-        stats.seconds += _clock(model.device) - start_time
-        stats.gen_tokens += int(committed)
+        self.start, self.block, self._saved = end, self.block + 1, False
+        self.stats.seconds += clock(self.model.device) - began
+        self.stats.gen_tokens += int(committed)
+
+    def _plan(self, step: int, start: int, end: int) -> tuple[int, int, Rows]:
+        """The candidate window `[lo, hi)` of a step and the rows the cache computes for it."""
+        canvas, cfg, sampler = self.canvas, self.model.config, self.sampler
+        lo, hi = sampler.logit_window(canvas.prompt_length, canvas.tokens.shape[1], start, end, step)
+        lo, hi = min(lo, start), max(hi, end)
+        masked, before = canvas.tokens == cfg.mask_id, self.masked_at_plan
+        self.masked_at_plan = masked
+        next_commits = sampler.next_commits(self.state) if self.cache.needs_next_commits else None
+        return lo, hi, self.cache.plan(self.runner.kv, caches.PlanContext(
+            canvas=canvas, masked=masked, masked_before=before, next_commits=next_commits, step=step, start=start,
+            end=end, lo=lo, hi=hi, shift=cfg.logit_shift, family=self.family))
+
+    def _open_rows(self, start: int, end: int, again: Tensor | None = None) -> Tensor:
+        """[B] rows with a mask left in the block, or (token editing) asking for another step."""
+        masks_left = (self.canvas.tokens[:, start:end] == self.model.config.mask_id).any(1) & self.unfinished
+        return masks_left if again is None else masks_left | (again & self.unfinished)
+
+    def _context(self, logits: Tensor, step: int, start: int, end: int, lo: int, hi: int,
+                 open_now: list[bool]) -> samplers_mod.StepContext:
+        """What the sampler sees at this step: the window's logits, which positions it may commit (masked, in the
+        block, of an unfinished row) or rewrite (`edits`), and the progress of the block and the generation."""
+        canvas, sampler = self.canvas, self.sampler
+        masked = self.masked_at_plan[:, lo:hi] & self.unfinished[:, None]  # the forward left the tokens as planned
+        positions, in_block = self._window(lo, hi, start, end)
+        editable = None
+        if sampler.edits:  # decoded answer tokens of this block; never the prompt (its tail shares the block)
+            decoded = (canvas.tokens[:, lo:hi] != self.model.config.mask_id) & self.unfinished[:, None]
+            editable = decoded & in_block & (positions >= canvas.gen_start[:, None])
+        return samplers_mod.StepContext(
+            logits=logits, eligible=masked & in_block, masked=masked, positions=positions, canvas=canvas.tokens,
+            step=step, steps=self.steps_per_block, block=self.block,
+            # a row draws random numbers only at its own steps (when it has masks left), as it does alone
+            generators=[g if o else None for g, o in zip(self.generators, open_now)],
+            nfe=self.stats.nfe - 1, total_steps=self.total_steps, block_start=start, block_end=end,
+            prompt_length=canvas.prompt_length, state=self.state, editable=editable, family=self.family,
+            forward=partial(self._verify, step, start, end, lo, hi) if sampler.drafts else None)
+
+    def _window(self, lo: int, hi: int, start: int, end: int) -> tuple[Tensor, Tensor]:
+        """The canvas positions `[lo, hi)` and which of them lie in the block `[start, end)`, made once per window."""
+        if self.window is None or self.window[0] != (lo, hi, start, end):
+            positions = torch.arange(lo, hi, device=self.model.device)
+            self.window = ((lo, hi, start, end), positions, (positions >= start) & (positions < end))
+        return self.window[1:]
+
+    def _verify(self, step: int, start: int, end: int, lo: int, hi: int, drafts: Tensor) -> Tensor:
+        """The sampler's `forward`: the next step's logits on each of its drafts (self-speculative decoding)."""
+        next_lo, next_hi, next_rows = self._plan(step + 1, start, end)  # refreshes mid-block: refused up front
+        if (next_lo, next_hi) != (lo, hi):
+            raise DllmError(f"sampler {self.sampler.name!r} verifies drafts with the logits of the next step, so its "
+                            f"logit_window must not change inside a block")
+        return self.runner.verify(drafts, lo, hi, next_rows)
+
+    def _move_block_end(self, ctx: samplers_mod.StepContext) -> int:
+        """The block end the sampler chooses at the block's first step (AdaBlock); `ctx` follows it."""
+        end, length = self.sampler.block_end(ctx), self.canvas.tokens.shape[1]
+        if not ctx.block_start < end <= length:
+            raise DllmError(f"sampler {self.sampler.name!r} chose block end {end} outside ({ctx.block_start}, "
+                            f"{length}]")
+        ctx.block_end = end
+        ctx.eligible = ctx.masked & (ctx.positions >= ctx.block_start) & (ctx.positions < end)
+        return end
+
+    def _write(self, ctx: samplers_mod.StepContext, out: samplers_mod.Commit, lo: int, hi: int
+               ) -> tuple[Tensor, list[Tensor], tuple | None]:
+        """Write the sampler's commits (and edits) into the canvas and adopt a verified draft's store. Returns the
+        committed positions, the step's checks (stalled, draft differs; device scalars, read with the step's one
+        wait) and the window and logits a verified draft already computed for the next step."""
+        if not isinstance(out, samplers_mod.Commit):
+            raise DllmError(f"sampler {self.sampler.name!r} returned {type(out).__name__} from step; return a "
+                            f"Commit(mask, tokens, confidence)")
+        tokens = self.canvas.tokens
+        commit = out.mask & ctx.masked
+        # a row with eligible positions and none of them committed; a scalar, read with the step's one device wait
+        stalled = ((ctx.eligible.any(1) > (commit & ctx.eligible).any(1)).any() if not self.sampler.may_commit_nothing
+                   else self.never)
+        written = commit if ctx.editable is None or out.edit is None else commit | (out.edit & ctx.editable)
+        tokens[:, lo:hi] = torch.where(written, out.tokens, tokens[:, lo:hi])
+        if out.verified is None:
+            return commit, [stalled], None
+        draft, draft_logits = self.runner.adopt(out.verified)
+        return commit, [stalled, (draft != tokens[:, lo:hi]).any()], ((lo, hi), draft_logits)
+
+    def _after_step(self, ctx: samplers_mod.StepContext, out: samplers_mod.Commit, commit: Tensor,
+                    counted: list[int] | None) -> None:
+        """The step's trace, finished rows (a stop token with nothing masked before it) and callback."""
+        if self.trace is not None:
+            rows_per_layer = [now - before for now, before in zip(self.runner.kv.rows_per_layer, counted)]
+            self.trace.append(trace_step(self.block, ctx.step, rows_per_layer, ctx.positions, commit, out, ctx.logits))
+        if self.stop_early:
+            self._set_finished(self.canvas.finish_rows(self.finished, self.model.config))
+        if self.callback is not None:
+            self.callback({"block": self.block, "step": ctx.step, "committed": int(commit.sum())})
+
+    def _open_rows_checked(self, ctx: samplers_mod.StepContext, out: samplers_mod.Commit,
+                           checks: list[Tensor]) -> list[bool]:
+        """The rows still open in the block, read with the step's checks in one wait for the device; a sampler
+        that stalled or committed other tokens than its verified draft is an error."""
+        flags = torch.cat([self._open_rows(ctx.block_start, ctx.block_end, out.again), torch.stack(checks)]).tolist()
+        batch = len(self.rows)
+        open_now, (stalled, *diverged) = flags[:batch], flags[batch:]
+        if stalled:
+            raise DllmError(f"sampler {self.sampler.name!r} committed nothing for an unfinished row at block "
+                            f"{self.block} step {ctx.step}; a sampler must commit at least one position per row")
+        if any(diverged):
+            raise DllmError("a sampler returned a verified draft that differs from its commits; commit exactly the "
+                            "chosen draft")
+        return open_now
 
 
 @torch.no_grad()

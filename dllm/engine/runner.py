@@ -68,7 +68,7 @@ class Runner:
         query_positions = caches.gather_rows(positions, rows)
         key_mask = visible_keys(cfg, query_positions, positions if self.cache.stores_kv else query_positions,
                                 key_mask)
-        began = _clock(model.device) if self.profile else 0.0
+        began = clock(model.device) if self.profile else 0.0
         if self.graphed:
             torch.compiler.cudagraph_mark_step_begin()  # the last replay's outputs are no longer read
         logits = self.run(caches.gather_rows(tokens, rows), query_positions, key_mask, kv, rows, slots.clamp(min=0))
@@ -84,7 +84,7 @@ class Runner:
         full = counter.rows_per_layer[0] - before == tokens.shape[0] * length  # layer 0 computed every row
         if self.profile:
             kind = "verify" if copies > 1 else "full" if full else "cached"
-            self.stats.forward_seconds.setdefault(kind, []).append(_clock(model.device) - began)
+            self.stats.forward_seconds.setdefault(kind, []).append(clock(model.device) - began)
         self.stats.nfe += 1
         self.stats.full_forwards += int(full)
         return logits
@@ -169,7 +169,7 @@ def store_lender(model: DiffusionLM) -> StoreLender:
     return lender
 
 
-def _clock(device: torch.device) -> float:
+def clock(device: torch.device) -> float:
     """Wall-clock seconds once the device has finished its queued work."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -34,7 +34,7 @@ class Stats:
         return {**asdict(self), "tpf": self.tpf, "tokens_per_second": self.tokens_per_second}
 
 
-def _trace_step(block, step, rows_per_layer, candidates, commit, out, logits) -> dict:
+def trace_step(block, step, rows_per_layer, candidates, commit, out, logits) -> dict:
     top2 = torch.softmax(logits.double(), -1).topk(2, dim=-1).values
     gap = top2[..., 0] - top2[..., 1]
     return {"block": block, "step": step, "rows_per_layer": rows_per_layer,

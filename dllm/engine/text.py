@@ -24,7 +24,7 @@ def encode_prompts(tokenizer, prompts, chat: bool | None) -> list[list[int]]:
     for row, p in enumerate(prompts):
         if isinstance(p, str):
             out.append(_encode_text(tokenizer, p, row, chat))
-        elif isinstance(p, (list, tuple, Tensor)) and all(_is_int(t) for t in p):
+        elif isinstance(p, (list, tuple, Tensor)) and all(is_token_id(t) for t in p):
             out.append([int(t) for t in p])
         else:
             raise DllmError(f"prompt {row} is {p!r}; a prompt is a string or a list of token ids "
@@ -32,7 +32,7 @@ def encode_prompts(tokenizer, prompts, chat: bool | None) -> list[list[int]]:
     return out
 
 
-def _is_int(t) -> bool:
+def is_token_id(t) -> bool:
     return (isinstance(t, int) and not isinstance(t, bool)) or (isinstance(t, Tensor) and t.dim() == 0
                                                                  and not t.dtype.is_floating_point)
 
