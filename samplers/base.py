@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Callable, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch import Tensor
@@ -44,6 +44,7 @@ class StepContext:
     editable: Tensor | None = None  # [B, C] bool: decoded answer tokens of the current block, unfinished rows
     # (samplers with `edits = True`; never the prompt or another block)
     family: str = "llada"  # "llada" (aligned logits) or "dream" (shifted), for defaults the papers set per family
+    config: Any = None  # the model's `ModelConfig`: its special ids (mask, stops, edit tokens)
 
 
 @dataclass
@@ -86,6 +87,10 @@ class Sampler(Params):
     def next_commits(self, state: SimpleNamespace) -> Tensor | None:
         """Hook of samplers with `commits_known_ahead`: the `[B, L]` canvas positions the next step will commit,
         fixed by the last `step` (kept in `state`), before that step's forward."""
+        return None
+
+    def check_model(self, config: Any) -> str | None:
+        """Hook: why this sampler cannot decode a model with this `ModelConfig` (None: it can)."""
         return None
 
     def block_end(self, ctx: StepContext) -> int:

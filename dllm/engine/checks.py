@@ -45,6 +45,9 @@ def check_policies(model: DiffusionLM, sampler: Sampler, cache: Cache, compile: 
     cfg = model.config
     if cfg.pad_id == cfg.mask_id:
         raise DllmError("the model's pad id equals its mask id; fix pad_token_id in config.json")
+    problem = sampler.check_model(cfg)
+    if problem is not None:
+        raise DllmError(f"sampler {sampler.name!r} cannot decode {cfg.arch}: {problem}")
     if cache.needs_next_commits and not sampler.commits_known_ahead:
         known = ", ".join(cls.name for cls in samplers_mod.SAMPLERS if cls.commits_known_ahead)
         raise DllmError(f"cache {cache.name!r} needs a sampler whose next commits are known before the forward "

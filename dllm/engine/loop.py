@@ -238,6 +238,7 @@ class Batch:
             generators=[g if o else None for g, o in zip(self.generators, open_now)],
             nfe=self.stats.nfe - 1, total_steps=self.total_steps, block_start=start, block_end=end,
             prompt_length=canvas.prompt_length, state=self.state, editable=editable, family=self.family,
+            config=self.model.config,
             forward=partial(self._verify, step, start, end, lo, hi) if sampler.drafts else None)
 
     def _window(self, lo: int, hi: int, start: int, end: int) -> tuple[Tensor, Tensor]:

@@ -2,7 +2,11 @@
 `block_diffusion_moe.md` section 2). Fused `query_key_value` (Q|K|V), per-head q/k RMSNorm before RoPE on the
 first 64 of 128 head dims, GQA, no biases; layer 0 a dense SwiGLU, later layers 256 experts (top 8) with DeepSeek-V3's
 sigmoid group-limited router, expert bias and routed scaling, plus one shared expert; block-causal attention over
-blocks of 32 (dFactory's `generate`), position-aligned logits."""
+blocks of 32 (dFactory's `generate`), position-aligned logits. LLaDA2.2 (inclusionAI/LLaDA2.2-flash) is the same
+network with two edit tokens for insert/delete decoding (`delete_token_id`, `split_token_id`; sampler
+`joint_threshold_indel`). Its block routing in the MoE (per 32-token block, admit the experts with the highest
+router score over the block, then each token's top-8 among them) is known only second-hand, with no official
+modeling file to pin the formula (the capacity, ties, the shared expert), so the router here stays per token."""
 from __future__ import annotations
 
 from .moe import MoEConfig, swiglu_names
@@ -60,7 +64,17 @@ def config_from_hf(hf: dict, end_of_turn_id: int | None = None) -> ModelConfig:
         rope_theta=hf.get("rope_theta", 600000.0), qkv_bias=False, logit_shift=0, mask_id=hf["mask_token_id"],
         **end_ids(hf, 156892, end_of_turn_id),
         max_length=hf.get("max_position_embeddings", 32768), head_size=head_dim, qk_norm=True,
-        block_size=block_size_of(hf, "block_size", BLOCK_SIZE), rotary_dim=rotary, moe=moe)
+        block_size=block_size_of(hf, "block_size", BLOCK_SIZE), rotary_dim=rotary, moe=moe, edit_ids=edit_ids(hf))
+
+
+def edit_ids(hf: dict) -> tuple[int, int] | None:
+    """LLaDA2.2's (delete, split) token ids, when config.json names both."""
+    ids = hf.get("delete_token_id"), hf.get("split_token_id")
+    if ids == (None, None):
+        return None
+    if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < hf["vocab_size"] for i in ids):
+        raise ValueError(f"delete_token_id and split_token_id must both be token ids, got {ids}")
+    return ids
 
 
 def hf_config(cfg: ModelConfig) -> dict:
@@ -76,6 +90,7 @@ def hf_config(cfg: ModelConfig) -> dict:
             "moe_router_enable_expert_bias": moe.expert_bias, "n_group": moe.groups, "topk_group": moe.groups_kept,
             "norm_topk_prob": moe.normalize, "routed_scaling_factor": moe.scaling, "block_size": cfg.block_size,
             "mask_token_id": cfg.mask_id, "eos_token_id": cfg.filler_id, "pad_token_id": cfg.pad_id,
+            **({} if cfg.edit_ids is None else dict(zip(("delete_token_id", "split_token_id"), cfg.edit_ids))),
             **{k: v for k, v in _REQUIRED.items() if v is not None}}
 
 
@@ -95,4 +110,6 @@ PRESETS = {  # ../shared/data/llada2-mini: 16B parameters, 1.4B active
     "llada2-mini": _preset(2048, 20, 16, 4, 128, 64, 5120, 256, 512, 8, 8, 4, 157184, mask_id=156895,
                            pad_id=156892, stop_ids=(156892,), filler_id=156892),
     "llada2-tiny": _preset(64, 2, 4, 2, 16, 8, 96, 8, 16, 2, 4, 2, 128, block=4, max_length=512),
+    "llada2.2-tiny": _preset(64, 2, 4, 2, 16, 8, 96, 8, 16, 2, 4, 2, 128, block=8, max_length=512, mask_id=127,
+                             pad_id=126, stop_ids=(125, 126), filler_id=126, edit_ids=(123, 124)),
 }

@@ -44,6 +44,7 @@ class ModelConfig:
     rotary_dim: int = 0  # RoPE on the first this many dims of each head (LLaDA2: 64 of 128); 0: all of them
     moe: MoEConfig | None = None  # feed-forward layers from `moe.dense_layers` on are mixtures of experts
     tied_head: bool = False  # the LM head is the embedding matrix (`tie_word_embeddings`, small Qwen3 / SDAR)
+    edit_ids: tuple[int, int] | None = None  # (delete, split) tokens of insert/delete decoding (LLaDA2.2)
 
     def __post_init__(self):
         """Refuse values that would build a broken network (a config.json with a wrong, zero or null field)."""
