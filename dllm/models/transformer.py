@@ -403,15 +403,19 @@ class DiffusionLM(nn.Module):
             x = x.gather(1, logit_rows[..., None].expand(-1, -1, x.shape[-1]))
         return head(self.norm(x), self.lm_head.weight)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+                window: tuple[int, int] | None = None) -> Tensor:
         """Logits `[B, L, V]` aligned to positions (logits[:, i] scores token i; Dream's shift applied).
-        attention_mask `[B, L]` (1 = real token) marks left padding; positions count real tokens only."""
+        attention_mask `[B, L]` (1 = real token) marks left padding; positions count real tokens only. window:
+        the columns `[lo, hi)` being decoded on a causal-prefix model (default: all of them; `visible_keys`)."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
         attention_mask = attention_mask.bool()
         positions = (attention_mask.long().cumsum(1) - 1).clamp(min=0)
         key_mask = None if attention_mask.all() else attention_mask[:, None, None, :]
-        key_mask = visible_keys(self.config, positions, positions, key_mask)
+        if window is not None:
+            window = (positions[:, window[0]], positions[:, window[1] - 1] + 1)
+        key_mask = visible_keys(self.config, positions, positions, key_mask, window)
         logits = self.run(input_ids, positions, key_mask, kv=None)
         if self.config.logit_shift:
             logits = torch.cat((logits[:, :1], logits[:, :-1]), dim=1)
