@@ -193,7 +193,7 @@ class Cache(Params):
     verifies_drafts: ClassVar[bool] = False  # True when the store is its only per-step state (`fork`/`adopt`)
     needs_next_commits: ClassVar[bool] = False  # `plan` needs the next step's commits before its forward
     compiles: ClassVar[bool] = False  # its rows are always slices, so the forward can run compiled
-    block_causal_only: ClassVar[bool] = False  # exact only when blocks never attend to later ones (SDAR)
+    block_causal_only: ClassVar[bool] = False  # exact only when blocks never attend to later ones (SDAR, Nemotron)
     rows_coupled: ClassVar[bool] = False  # a row's refresh depends on its batch neighbours (so padded != alone)
     block_fresh: ClassVar[bool] = False  # recomputes every row at each block start: nothing in the store outlives
     # a block, so a batch can be laid out anew between blocks (rows joining and leaving, `dllm serve`)

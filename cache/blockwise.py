@@ -63,8 +63,9 @@ class DualCache(_Refreshing):
 @register("block")
 @dataclass
 class BlockCache(Cache):
-    """The exact cache of block-causal models (SDAR; spec `block_diffusion_moe.md` section 1): a finished block
-    only attends to itself and earlier blocks, so its keys and values never change. The first forward after a
+    """The exact cache of block-causal models (SDAR; spec `block_diffusion_moe.md` section 1) and causal-prefix ones
+    (Nemotron-Labs-Diffusion): a finished block only attends to itself and earlier blocks, so its keys and values
+    never change. The first forward after a
     fresh store computes everything before the block's end (the prompt's blocks); each block-start forward also
     recomputes the block just finished (its final tokens: SDAR's extra forward folded into the next one); every
     other step computes the block alone (from the row before it on an AR-shifted model, Fast-dLLM v2: that row

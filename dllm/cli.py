@@ -354,8 +354,8 @@ def _bench_serve(args) -> int:
 
 def _list(args) -> int:
     if args.what == "models":
-        from .models.loading import available_models
-        entries = [{"name": m} for m in available_models()]
+        from .models.loading import model_families
+        entries = [{"name": name, "family": family} for name, family in model_families().items()]
     else:
         registry = samplers_mod.SAMPLERS if args.what == "samplers" else caches.CACHES
         entries = [cls.describe() for cls in registry]

@@ -1,4 +1,5 @@
 """Likelihoods (LLaDA's Monte Carlo ELBO) and the lm-eval adapter's requests, without lm-eval installed."""
+import dataclasses
 import io
 import math
 from contextlib import redirect_stderr
@@ -11,6 +12,7 @@ from conftest import random_model
 import dllm
 from dllm.core.errors import DllmError
 from dllm.engine.likelihood import elbo, is_greedy
+from dllm.models import DiffusionLM
 from dllm.eval.lm_eval_model import DllmLM
 
 
@@ -19,12 +21,14 @@ def exact_elbo(model, prefix: list[int], target: list[int]) -> float:
     (1/L) / C(L, l) and weight L / l (2^L - 1 forwards)."""
     n, length = len(prefix), len(target)
     sequence = torch.tensor(prefix + target)
+    window = (n, n + length) if model.config.causal_prefix else None  # the continuation is the block decoded
     total = 0.0
     with torch.no_grad():
         for pattern in range(1, 2 ** length):
             masked = torch.tensor([False] * n + [bool(pattern >> i & 1) for i in range(length)])
             count = int(masked.sum())
-            logp = model(torch.where(masked, model.config.mask_id, sequence)[None])[0].float().log_softmax(-1)
+            noisy = torch.where(masked, model.config.mask_id, sequence)[None]
+            logp = model(noisy, window=window)[0].float().log_softmax(-1)
             term = float(logp[masked].gather(1, sequence[masked][:, None]).sum())
             total += term * (length / count) / length / math.comb(length, count)
     return total
@@ -35,15 +39,20 @@ def tiny_llada():
     return dllm.load("tiny-llada")
 
 
-@pytest.mark.parametrize("which", ["tiny-llada", "dream-tiny"])
+@pytest.mark.parametrize("which", ["tiny-llada", "dream-tiny", "nemotron-diffusion-tiny"])
 def test_monte_carlo_elbo_matches_every_mask_pattern_enumerated(which, tiny_llada):
     """A 3-token continuation: 7 mask patterns, each weighted (1/L) (L/l) / C(L, l); the estimate (4096 draws)
-    lands within 4 of its standard deviations (measured: 0.15 tiny-llada, 0.008 dream-tiny at 4096)."""
-    model = tiny_llada[0] if which == "tiny-llada" else random_model("dream-tiny", std=0.05)
+    lands within 4 of its standard deviations (measured: 0.15 tiny-llada, 0.008 dream-tiny at 4096). Nemotron's
+    context is causal, its continuation bidirectional (and differs from the all-bidirectional bound)."""
+    model = tiny_llada[0] if which == "tiny-llada" else random_model(which, std=0.05)
     prefix, target = [7, 8, 9, 10, 11], ([28, 29, 30] if which == "tiny-llada" else [12, 13, 14])
     exact = exact_elbo(model, prefix, target)
     estimate = elbo(model, prefix, target, mc_num=4096, batch_size=512)
     assert abs(estimate - exact) < (0.6 if which == "tiny-llada" else 0.04), (estimate, exact)
+    if model.config.causal_prefix:  # the mask took effect: a bidirectional context gives another bound
+        other = DiffusionLM(dataclasses.replace(model.config, causal_prefix=False))
+        other.load_state_dict(model.state_dict())
+        assert abs(exact_elbo(other.eval(), prefix, target) - exact) > 1e-3
 
 
 def test_elbo_is_deterministic_for_a_seed(tiny_llada):

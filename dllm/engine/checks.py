@@ -61,17 +61,18 @@ def check_policies(model: DiffusionLM, sampler: Sampler, cache: Cache, compile: 
     if sampler.reads_decoded_logits and not cache.compiles:  # a cache computing slices covers the whole window
         raise DllmError(f"sampler {sampler.name!r} reads the logits of decoded tokens, which cache {cache.name!r} does "
                         f"not compute; use cache none, prefix or dual")
-    if cache.block_causal_only and not cfg.block_size:
+    if cache.block_causal_only and not cfg.decoded_keys_fixed:
         raise DllmError(f"cache {cache.name!r} is exact only under block-causal attention ({cfg.arch} attends to the "
                         f"whole canvas); use prefix or dual")
     if sampler.edits and not cache.block_fresh:
         raise DllmError(f"sampler {sampler.name!r} rewrites decoded tokens, whose keys and values cache "
                         f"{cache.name!r} keeps; use cache none, prefix, dual or (block-causal models) block")
-    if cfg.block_size and sampler.commits_past_block:
-        raise DllmError(f"sampler {sampler.name!r} commits later blocks from one forward, which a block-causal model "
+    kind = "block-causal" if cfg.block_size else "causal-prefix"
+    if cfg.decoded_keys_fixed and sampler.commits_past_block:
+        raise DllmError(f"sampler {sampler.name!r} commits later blocks from one forward, which a {kind} model "
                         f"({cfg.arch}) predicts only from finished blocks; use another sampler")
-    if cfg.block_size and not cache.block_fresh:
-        raise DllmError(f"cache {cache.name!r} chooses rows for full attention; on a block-causal model "
+    if cfg.decoded_keys_fixed and not cache.block_fresh:
+        raise DllmError(f"cache {cache.name!r} chooses rows for full attention; on a {kind} model "
                         f"({cfg.arch}) use cache block (exact), none, prefix or dual")
     check_compile(cache, compile)
     if compile and cfg.moe is not None and model.dtype != torch.bfloat16:

@@ -11,7 +11,8 @@ each batch (evenly spaced from a random start, as LLaDA's code). Cost: `mc_num` 
 tokens through the network per continuation (ceil(mc_num / batch_size) forwards); the estimate's spread shrinks as
 1 / sqrt(mc_num). Deterministic for a seed. A block-causal model (SDAR) generates block by block, so its bound is
 the sum over the target's attention blocks of each block's bound with the blocks before it clean (BD3-LM's NELBO,
-arXiv 2503.09573); that costs `mc_num` rows per block.
+arXiv 2503.09573); that costs `mc_num` rows per block. A causal-prefix model (Nemotron-Labs-Diffusion) reads the
+continuation as one block being decoded: the context causal, the continuation bidirectional over it.
 """
 from __future__ import annotations
 
@@ -71,11 +72,12 @@ def elbo(model: DiffusionLM, prefix: list[int], target: list[int], mc_num: int =
         masked[:, n:] = order < counts[:, None]
         masked = masked.to(device)
         noisy = torch.where(masked, cfg.mask_id, sequence)
-        logits = model(noisy)
+        window = (n, n + length) if cfg.causal_prefix else None
+        logits = model(noisy, window=window)
         if cfg_scale > 0:
             unconditional = noisy.clone()
             unconditional[:, :n] = cfg.mask_id
-            plain = model(unconditional)
+            plain = model(unconditional, window=window)
             logits = plain + (cfg_scale + 1) * (logits - plain)
         nll = F.cross_entropy(logits[masked].float(), sequence.expand(draws, -1)[masked], reduction="none")
         weight = (length / counts.to(device)).repeat_interleave(masked.sum(1))

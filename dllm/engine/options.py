@@ -40,9 +40,9 @@ def split_params(sampler: str | Sampler, cache: str | Cache, params: dict[str, A
 
 
 def default_cache(model: DiffusionLM) -> str:
-    """The cache used when none is named: on a block-causal model the exact finished-block cache (the tokens of
-    recomputing everything, far fewer rows computed), else none (the papers' vanilla decoding)."""
-    return "block" if model.config.block_size else "none"
+    """The cache used when none is named: on a block-causal or causal-prefix model the exact finished-block cache
+    (the tokens of recomputing everything, far fewer rows computed), else none (the papers' vanilla decoding)."""
+    return "block" if model.config.decoded_keys_fixed else "none"
 
 
 DEFAULT_GEN_LENGTH = 64  # answer tokens: the canvas the shipped tiny models were trained on (48..64)

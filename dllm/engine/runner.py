@@ -66,8 +66,9 @@ class Runner:
         if key_mask is not None and not self.cache.stores_kv:
             key_mask = key_mask[..., rows.index]
         query_positions = caches.gather_rows(positions, rows)
+        window = (positions[:, lo], positions[:, hi - 1] + 1) if cfg.causal_prefix else None  # decoded this step
         key_mask = visible_keys(cfg, query_positions, positions if self.cache.stores_kv else query_positions,
-                                key_mask)
+                                key_mask, window)
         began = clock(model.device) if self.profile else 0.0
         if self.graphed:
             torch.compiler.cudagraph_mark_step_begin()  # the last replay's outputs are no longer read

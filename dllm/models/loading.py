@@ -28,6 +28,13 @@ def available_models() -> list[str]:
     return shipped_models() + [f"random:{name}" for name in PRESETS]
 
 
+def model_families() -> dict[str, str]:
+    """Every model `load` knows by name, with its architecture (a key of `ARCHITECTURES_BY_NAME`)."""
+    arch_names = {module: name for name, module in ARCHITECTURES_BY_NAME.items()}
+    shipped = {name: arch_names[read_config(SHIPPED_DIR / name)[1]] for name in shipped_models()}
+    return {**shipped, **{f"random:{name}": cfg.arch for name, cfg in PRESETS.items()}}
+
+
 def load(name_or_path: str, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
          seed: int = 0):
     """Return `(model, tokenizer)` for a shipped name (`tiny-llada`), `random:<preset>`, or a local directory.
@@ -150,7 +157,7 @@ def read_config(path: Path) -> tuple[dict, object]:
     if arch is None:
         supported = ", ".join(dict.fromkeys(a.MODEL_TYPE for a in ARCHITECTURES_BY_NAME.values()))
         raise DllmError(f"unknown model_type {hf.get('model_type')!r} in {cfg_file}; supported: {supported} "
-                        f"(LLaDA, Dream, SDAR, LLaDA2, LLaDA-MoE and Fast-dLLM v2 checkpoints)")
+                        f"(LLaDA, Dream, SDAR, LLaDA2, LLaDA-MoE, Fast-dLLM v2 and Nemotron-Labs-Diffusion checkpoints)")
     return hf, arch
 
 

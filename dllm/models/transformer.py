@@ -1,8 +1,10 @@
-"""The pre-norm transformer shared by every architecture (LLaDA, Dream, SDAR, LLaDA2, LLaDA-MoE, Fast-dLLM v2).
+"""The pre-norm transformer shared by every architecture (LLaDA, Dream, SDAR, LLaDA2, LLaDA-MoE, Fast-dLLM v2,
+Nemotron-Labs-Diffusion).
 
 All are Llama-shaped (RMSNorm, rotate-half RoPE, SwiGLU, untied head) run without a causal mask; they differ in
-q/k/v bias, GQA, per-head q/k norm, partial RoPE, MoE feed-forward layers (`moe.py`), block-causal attention and
-Dream's AR-style logit shift (spec `models.md` sections 3-4, `block_diffusion_moe.md`). The
+q/k/v bias, GQA, per-head q/k norm, partial RoPE, YaRN RoPE and a per-position query scale, MoE feed-forward
+layers (`moe.py`), block-causal or causal-prefix attention and Dream's AR-style logit shift (spec `models.md`
+sections 3-4, `block_diffusion_moe.md`, `new_families.md`). The
 forward computes only the *active* canvas rows chosen by the cache policy, lets the cache supply keys and
 values of every other row (`KVAccess`), and projects the head only on the rows whose logits are needed.
 """
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .moe import MoE, MoEConfig
+from .rope_scaling import YaRN
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,12 @@ class ModelConfig:
     moe: MoEConfig | None = None  # feed-forward layers from `moe.dense_layers` on are mixtures of experts
     tied_head: bool = False  # the LM head is the embedding matrix (`tie_word_embeddings`, small Qwen3 / SDAR)
     edit_ids: tuple[int, int] | None = None  # (delete, split) tokens of insert/delete decoding (LLaDA2.2)
+    yarn: YaRN | None = None  # YaRN-scaled RoPE frequencies (Ministral 3, Nemotron-Labs-Diffusion)
+    query_scale: tuple[float, int] | None = None  # (beta, length): queries times 1 + beta * log(1 + floor(position /
+    # length)) after RoPE (Llama 4's attention temperature, as Ministral 3)
+    causal_prefix: bool = False  # decoded positions attend causally; the positions being decoded (a step's logit
+    # window) see each other and everything before them (Nemotron-Labs-Diffusion: causal commit, bidirectional
+    # denoising)
 
     def __post_init__(self):
         """Refuse values that would build a broken network (a config.json with a wrong, zero or null field)."""
@@ -63,6 +72,12 @@ class ModelConfig:
                              f"{self.n_kv_heads} key/value heads evenly")
         if self.rope_dim % 2 or self.rope_dim > self.head_dim:
             raise ValueError(f"the rotary dims ({self.rope_dim}) must be even and at most the head dim {self.head_dim}")
+        if self.query_scale is not None:
+            beta, length = self.query_scale
+            if not beta >= 0 or isinstance(length, bool) or not isinstance(length, int) or length < 1:
+                raise ValueError(f"the query scale needs beta >= 0 and a positive length, got {self.query_scale!r}")
+        if self.causal_prefix and self.block_size:
+            raise ValueError("a network is either block-causal (block_size) or causal-prefix, not both")
         for name, value in (("mask token id", self.mask_id), ("pad token id", self.pad_id),
                             ("eos token id", self.filler_id)):  # stop ids outside the vocabulary never stop a row
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < self.vocab_size:
@@ -75,6 +90,12 @@ class ModelConfig:
     @property
     def rope_dim(self) -> int:
         return self.rotary_dim or self.head_dim
+
+    @property
+    def decoded_keys_fixed(self) -> bool:
+        """A decoded block's keys and values stop changing once the next block starts (block-causal or
+        causal-prefix attention): the exact `block` cache applies, caches choosing rows for full attention do not."""
+        return bool(self.block_size) or self.causal_prefix
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer >= self.moe.dense_layers
@@ -166,6 +187,8 @@ def block_size_of(hf: dict, key: str, default: int | None = None) -> int:
 
 def rope_frequencies(cfg: ModelConfig, device=None) -> Tensor:
     """RoPE inverse frequencies (fp32) of the rotated dims, computed in fp64."""
+    if cfg.yarn is not None:
+        return cfg.yarn.frequencies(cfg.rope_theta, cfg.rope_dim, device)
     exponent = torch.arange(0, cfg.rope_dim, 2, dtype=torch.float64, device=device) / cfg.rope_dim
     return (cfg.rope_theta ** -exponent).float()
 
@@ -207,7 +230,7 @@ def head(x: Tensor, weight: Tensor) -> Tensor:
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate-half RoPE in fp32 (LLaDA's `rope_full_precision`); x `[B, H, A, D]`, cos and the signed sin
-    `[B, 1, A, R]` of `DiffusionLM.rope_tables`: the first R dims rotate, the rest pass through (partial RoPE,
+    `[B, 1, A, R]` (a table of `DiffusionLM.rope_tables`): the first R dims rotate, the rest pass through (partial RoPE,
     LLaDA2). rotate_half(x) * sin is computed as roll(x) * (-sin, sin): the same products, two kernels fewer."""
     r = cos.shape[-1]
     xf = x[..., :r].float()
@@ -215,10 +238,18 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return out if r == x.shape[-1] else torch.cat((out, x[..., r:]), dim=-1)
 
 
-def visible_keys(cfg: ModelConfig, query_positions: Tensor, key_positions: Tensor,
-                 key_mask: Tensor | None) -> Tensor | None:
-    """Which keys each query sees, bool, broadcastable to `[B, 1, A, Lk]`: `key_mask` (padding), and on a
-    block-causal model (SDAR) only keys whose block (position // block_size) is not after the query's."""
+def visible_keys(cfg: ModelConfig, query_positions: Tensor, key_positions: Tensor, key_mask: Tensor | None,
+                 window: tuple[Tensor, Tensor] | None = None) -> Tensor | None:
+    """Which keys each query sees, bool, broadcastable to `[B, 1, A, Lk]`: `key_mask` (padding); on a
+    block-causal model (SDAR) only keys whose block (position // block_size) is not after the query's; on a
+    causal-prefix model given the positions being decoded, `window` = (first, end) `[B]`, keys up to the query's
+    own position, and for a query inside the window every key before the window's end (without a window the
+    whole canvas is being decoded: every key)."""
+    if cfg.causal_prefix and window is not None:
+        first, end = (bound[:, None, None, None] for bound in window)
+        q, k = query_positions[:, None, :, None], key_positions[:, None, None, :]
+        seen = (k <= q) | ((q >= first) & (q < end) & (k < end))
+        return seen if key_mask is None else seen & key_mask
     if not cfg.block_size:
         return key_mask
     seen = (key_positions // cfg.block_size)[:, None, None, :] <= (query_positions // cfg.block_size)[:, None, :, None]
@@ -277,10 +308,14 @@ class Block(nn.Module):
         RoPE call takes both without a copy."""
         qk, v = fused_linear(self.attn_norm(x), self.qkv_proj, self.qk_v_sizes)
         qk = qk.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+        v = v.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
         if hasattr(self, "q_norm"):
             q, k = qk.split((self.n_heads, self.n_kv_heads), 1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), 1)
-        return rope(qk, cos, sin), v.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+        if cos.shape[1] == 2:  # the queries' own tables (their scale folded in, `DiffusionLM.rope_tables`)
+            q, k = qk.split((self.n_heads, self.n_kv_heads), 1)
+            return torch.cat((rope(q, cos[:, 1:], sin[:, 1:]), rope(k, cos[:, :1], sin[:, :1])), 1), v
+        return rope(qk, cos, sin), v
 
     @torch.compiler.nested_compile_region
     def output_and_mlp(self, x: Tensor, o: Tensor) -> Tensor:
@@ -327,10 +362,21 @@ class DiffusionLM(nn.Module):
         return self.embed.weight.dtype
 
     def rope_tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos and the signed sin `[B, 1, A, R]` of `rope` for `[B, A]` positions."""
+        """cos and the signed sin `[B, 1, A, R]` of `rope` for `[B, A]` positions, times YaRN's attention factor.
+        With a query scale, `[B, 2, A, R]`: the keys' tables, then the queries' with their scale
+        `1 + beta * log(1 + floor(position / length))` folded in (RoPE is linear, so scaling after it is scaling
+        its tables)."""
+        cfg = self.config
         angles = positions.float()[..., None] * self.inv_freq
         cos, sin = angles.cos(), angles.sin()
-        return torch.cat((cos, cos), dim=-1)[:, None], torch.cat((-sin, sin), dim=-1)[:, None]
+        cos, sin = torch.cat((cos, cos), dim=-1)[:, None], torch.cat((-sin, sin), dim=-1)[:, None]
+        if cfg.yarn is not None and cfg.yarn.attention_factor != 1:
+            cos, sin = cos * cfg.yarn.attention_factor, sin * cfg.yarn.attention_factor
+        if cfg.query_scale is None:
+            return cos, sin
+        beta, length = cfg.query_scale
+        scale = (1 + beta * torch.log1p(torch.floor(positions.float() / length)))[:, None, :, None]
+        return torch.cat((cos, cos * scale), 1), torch.cat((sin, sin * scale), 1)
 
     def run(self, tokens: Tensor, positions: Tensor, key_mask: Tensor | None, kv: KVAccess | None = None,
             rows: Rows | None = None, logit_rows: Tensor | None = None) -> Tensor:
@@ -358,15 +404,19 @@ class DiffusionLM(nn.Module):
             x = x.gather(1, logit_rows[..., None].expand(-1, -1, x.shape[-1]))
         return head(self.norm(x), self.lm_head.weight)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+                window: tuple[int, int] | None = None) -> Tensor:
         """Logits `[B, L, V]` aligned to positions (logits[:, i] scores token i; Dream's shift applied).
-        attention_mask `[B, L]` (1 = real token) marks left padding; positions count real tokens only."""
+        attention_mask `[B, L]` (1 = real token) marks left padding; positions count real tokens only. window:
+        the columns `[lo, hi)` being decoded on a causal-prefix model (default: all of them; `visible_keys`)."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
         attention_mask = attention_mask.bool()
         positions = (attention_mask.long().cumsum(1) - 1).clamp(min=0)
         key_mask = None if attention_mask.all() else attention_mask[:, None, None, :]
-        key_mask = visible_keys(self.config, positions, positions, key_mask)
+        if window is not None:
+            window = (positions[:, window[0]], positions[:, window[1] - 1] + 1)
+        key_mask = visible_keys(self.config, positions, positions, key_mask, window)
         logits = self.run(input_ids, positions, key_mask, kv=None)
         if self.config.logit_shift:
             logits = torch.cat((logits[:, :1], logits[:, :-1]), dim=1)
