@@ -43,8 +43,8 @@ def check_lengths(gen_length: int, block_length: int, steps: int | None, model_b
 def check_masked(model: DiffusionLM) -> None:
     """The model is a masked diffusion model: the loop decodes masks (a uniform-state model has none)."""
     if model.config.mask_id is None:
-        raise DllmError(f"{model.config.arch} is a uniform-state model (its canvas starts as random tokens, there is no "
-                        f"mask token), which the decode loop does not run yet (issue #37); use a masked diffusion "
+        raise DllmError(f"{model.config.arch} is a uniform-state model (its canvas starts as random tokens, there is "
+                        f"no mask token), which the decode loop does not run yet (issue #37); use a masked diffusion "
                         f"model such as tiny-llada")
 
 

@@ -76,8 +76,8 @@ def config_from_hf(hf: dict, end_of_turn_id: int | None = None) -> GemmaConfig:
         if text.get(key, want) != want:
             raise ValueError(f"text_config has {key}={text[key]!r}; this DiffusionGemma implementation needs {want!r}")
     if text.get("use_bidirectional_attention") == "all":
-        raise ValueError("text_config has use_bidirectional_attention='all' (a bidirectional encoder); DiffusionGemma's "
-                         "encoder is causal")
+        raise ValueError("text_config has use_bidirectional_attention='all' (a bidirectional encoder); "
+                         "DiffusionGemma's encoder is causal")
     types = _layer_types(text)
     full = [i for i, t in enumerate(types) if t == _FULL]
     rope = {**_ROPE, **(text.get("rope_parameters") or {})}

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .moe import MoE
-from .transformer import KVAccess, ModelConfig, Rows, head, rope, rope_tables
+from .moe import GatedMLP, MoE
+from .transformer import KVAccess, ModelConfig, Network, Rows, head, rope, rope_frequencies, rope_tables
 
 
 @dataclass(frozen=True)
@@ -73,11 +73,6 @@ def full_rope_frequencies(cfg: GemmaConfig, device=None) -> Tensor:
     return torch.cat((rotated, rotated.new_zeros(size // 2 - angles)))
 
 
-def sliding_rope_frequencies(cfg: GemmaConfig, device=None) -> Tensor:
-    exponent = torch.arange(0, cfg.head_dim, 2, dtype=torch.float64, device=device) / cfg.head_dim
-    return (cfg.rope_theta ** -exponent).float()
-
-
 class Norm(nn.Module):
     """RMSNorm computed in fp32 with the weight (`x * rsqrt(mean(x^2) + eps) * w`), cast back; no weight when
     `weighted` is False (V and the self-conditioning output)."""
@@ -92,20 +87,10 @@ class Norm(nn.Module):
         return F.rms_norm(x.float(), (self.dim,), weight, self.eps).to(x.dtype)
 
 
-class GeGLU(nn.Module):
-    """down(gelu_tanh(gate(x)) * up(x)), gate and up as one `[2F, D]` weight (gate first)."""
-
-    def __init__(self, d: int, f: int):
-        super().__init__()
-        self.gate_up_proj = nn.Linear(d, 2 * f, bias=False)
-        self.down_proj = nn.Linear(f, d, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
-
-
 class GemmaBlock(nn.Module):
+    """One layer: sliding or full attention, then the dense GeGLU and the experts side by side on the residual
+    stream, every output normed before it is added (sandwich norms), the sum times the mode's layer scalar."""
+
     def __init__(self, cfg: GemmaConfig, layer: int):
         super().__init__()
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
@@ -118,7 +103,8 @@ class GemmaBlock(nn.Module):
         self.q_norm, self.k_norm = Norm(self.head_dim, eps), Norm(self.head_dim, eps)
         self.v_norm = Norm(self.head_dim, eps, weighted=False)
         self.attn_norm, self.attn_out_norm = Norm(d, eps), Norm(d, eps)
-        self.mlp_norm, self.mlp_out_norm, self.mlp = Norm(d, eps), Norm(d, eps), GeGLU(d, cfg.intermediate_size)
+        self.mlp_norm, self.mlp_out_norm = Norm(d, eps), Norm(d, eps)
+        self.mlp = GatedMLP(d, cfg.intermediate_size, "gelu_tanh")
         self.moe_norm, self.moe_out_norm, self.moe = Norm(d, eps), Norm(d, eps), MoE(d, cfg.moe)
         self.ffn_out_norm = Norm(d, eps)
         self.encoder_scale = nn.Parameter(torch.ones(1), requires_grad=False)  # layer_scalar of each mode
@@ -151,21 +137,19 @@ class SelfConditioning(nn.Module):
     def __init__(self, cfg: GemmaConfig):
         super().__init__()
         self.norm = Norm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GeGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, "gelu_tanh")
         self.out_norm = Norm(cfg.hidden_size, cfg.rms_norm_eps, weighted=False)
 
     def forward(self, x: Tensor, soft: Tensor | None) -> Tensor:
         return self.out_norm(x if soft is None else x + self.mlp(self.norm(soft)))
 
 
-class DiffusionGemma(nn.Module):
+class DiffusionGemma(Network):
     """DiffusionGemma's text network. `run` computes rows in one mode against a cache's keys and values (the
     contract of `DiffusionLM.run`, with the per-layer-kind masks of `visible_keys`)."""
 
     def __init__(self, cfg: GemmaConfig):
-        super().__init__()
-        self.config = cfg
-        self.generation_defaults: dict[str, int | bool] = {}  # from generation_config.json (dllm.loading)
+        super().__init__(cfg)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(GemmaBlock(cfg, i) for i in range(cfg.n_layers))
         self.norm = Norm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -176,19 +160,9 @@ class DiffusionGemma(nn.Module):
         self.init_buffers()
 
     def init_buffers(self) -> None:
-        """The tied head and the RoPE frequencies (again after `to_empty`, which leaves buffers unset)."""
-        if self.config.tied_head:
-            self.lm_head.weight = self.embed.weight
-        self.sliding_inv_freq = sliding_rope_frequencies(self.config, self.sliding_inv_freq.device)
+        super().init_buffers()
+        self.sliding_inv_freq = rope_frequencies(self.config, self.sliding_inv_freq.device)
         self.full_inv_freq = full_rope_frequencies(self.config, self.full_inv_freq.device)
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed.weight.dtype
 
     def kv_shapes(self) -> list[tuple[int, int]]:
         """Key/value heads and head size of every layer (a cache's store is shaped by them)."""

@@ -63,17 +63,24 @@ def grouped_matmul(x: Tensor, weights: Tensor, ends: Tensor) -> Tensor:
     return torch.cat([x[a:b] @ w for a, b, w in zip(bounds, bounds[1:], weights)])
 
 
-class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up as one `[2F, D]` weight."""
+def gate_activation(gate: Tensor, activation: str) -> Tensor:
+    """The gate's nonlinearity: SiLU (SwiGLU) or tanh-approximated GELU (GeGLU, Gemma's gelu_pytorch_tanh)."""
+    return F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
 
-    def __init__(self, d: int, f: int):
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up as one `[2F, D]` weight (gate first): a SwiGLU, or a GeGLU
+    with `activation="gelu_tanh"`."""
+
+    def __init__(self, d: int, f: int, activation: str = "silu"):
         super().__init__()
+        self.activation = activation
         self.gate_up_proj = nn.Linear(d, 2 * f, bias=False)
         self.down_proj = nn.Linear(f, d, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(gate_activation(gate, self.activation) * up)
 
 
 class MoE(nn.Module):
@@ -89,7 +96,7 @@ class MoE(nn.Module):
         self.experts_gate_up = nn.Parameter(torch.empty(cfg.n_experts, 2 * cfg.expert_size, d))
         self.experts_down = nn.Parameter(torch.empty(cfg.n_experts, d, cfg.expert_size))
         if cfg.shared_size:
-            self.shared = SwiGLU(d, cfg.shared_size)
+            self.shared = GatedMLP(d, cfg.shared_size)
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """The chosen experts `[N, K]` of each token of `x` `[N, D]` and their weights (fp32)."""
@@ -127,8 +134,7 @@ class MoE(nn.Module):
         ends = torch.searchsorted(experts, torch.arange(self.cfg.n_experts, device=x.device), right=True)
         ends = ends.to(torch.int32)  # where each expert's rows end; a static shape, unlike bincount's
         gate, up = grouped_matmul(x[token], self.experts_gate_up.transpose(1, 2), ends).chunk(2, dim=-1)
-        gate = F.silu(gate) if self.cfg.activation == "silu" else F.gelu(gate, approximate="tanh")
-        out = grouped_matmul(gate * up, self.experts_down.transpose(1, 2), ends)
+        out = grouped_matmul(gate_activation(gate, self.cfg.activation) * up, self.experts_down.transpose(1, 2), ends)
         out = out * weights.flatten()[order, None].to(out.dtype)
         routed = torch.zeros_like(x).index_add_(0, token, out)
         if self.cfg.shared_size:

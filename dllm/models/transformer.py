@@ -341,27 +341,19 @@ class Block(nn.Module):
         return attention_probabilities(q.gather(2, index), k, key_mask)
 
 
-class DiffusionLM(nn.Module):
-    """A LLaDA or Dream network. `forward(input_ids)` returns position-aligned logits for the whole canvas;
-    the decode loop uses `run` to compute only active rows against a cache."""
+class Network(nn.Module):
+    """What every network shares: its config, the decoding defaults of its checkpoint directory, an embedding
+    `embed` and LM head `lm_head` (tied when the config says so), its device and float type."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
         self.generation_defaults: dict[str, int | bool] = {}  # from generation_config.json (dllm.loading)
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.register_buffer("inv_freq", torch.empty(0), persistent=False)
-        self.init_buffers()
 
     def init_buffers(self) -> None:
-        """The LM head shared with the embedding when the config says so, and the RoPE frequencies (again after
-        `to_empty`, which leaves buffers unset)."""
+        """Ties and computed buffers, again after `to_empty` (which leaves them unset); subclasses add theirs."""
         if self.config.tied_head:
             self.lm_head.weight = self.embed.weight
-        self.inv_freq = rope_frequencies(self.config, self.inv_freq.device)
 
     @property
     def device(self) -> torch.device:
@@ -370,6 +362,24 @@ class DiffusionLM(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
+
+
+class DiffusionLM(Network):
+    """A LLaDA or Dream network. `forward(input_ids)` returns position-aligned logits for the whole canvas;
+    the decode loop uses `run` to compute only active rows against a cache."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", torch.empty(0), persistent=False)
+        self.init_buffers()
+
+    def init_buffers(self) -> None:
+        super().init_buffers()
+        self.inv_freq = rope_frequencies(self.config, self.inv_freq.device)
 
     def rope_tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos and the signed sin `[B, 1, A, R]` of `rope` for `[B, A]` positions, times YaRN's attention factor.
