@@ -83,7 +83,7 @@ def pair(tmp_path_factory):
 
 def _layout(canvases=2):
     """The left-padded prompts and the real-token mask of `[pad | prompt | canvas x canvases]`."""
-    width, size = max(map(len, PROMPTS)), PRESETS["diffusion-gemma-tiny"].block_size
+    width, size = max(map(len, PROMPTS)), PRESETS["diffusion-gemma-tiny"].canvas_length
     real = torch.tensor([[False] * (width - len(p)) + [True] * (len(p) + canvases * size) for p in PROMPTS])
     return torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS]), real, width, size
 
@@ -199,7 +199,7 @@ def _generate_one(model, prompt, canvases, rule, seed, stop_ids):
     """Our network and `entropy_bound_step` composed as transformers' `generate` runs one row: encode the prompt,
     denoise each canvas from random tokens (self-conditioned on the previous step), commit its argmax, encode
     it; stop after a canvas holding a stop id (what follows it in the canvas becomes pad)."""
-    g, size, vocab = torch.Generator().manual_seed(seed), model.config.block_size, model.config.vocab_size
+    g, size, vocab = torch.Generator().manual_seed(seed), model.config.canvas_length, model.config.vocab_size
     columns, tokens = Columns(model, torch.ones(1, len(prompt) + canvases * size, dtype=torch.bool)), [prompt]
     columns.run(torch.tensor(tokens), 0, False)
     for _ in range(canvases):

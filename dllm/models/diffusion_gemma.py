@@ -96,7 +96,7 @@ def config_from_hf(hf: dict, end_of_turn_id: int | None = None) -> GemmaConfig:
         rms_norm_eps=text.get("rms_norm_eps", 1e-6), rope_theta=rope[_SLIDING]["rope_theta"], qkv_bias=False,
         logit_shift=0, mask_id=None, **end_ids({"pad_token_id": 0, **text}, 1, end_of_turn_id),
         max_length=text.get("max_position_embeddings", 131_072), head_size=text.get("head_dim") or 256,
-        qk_norm=True, block_size=hf.get("canvas_length", 256), moe=moe,
+        qk_norm=True, causal_prefix=True, canvas_length=hf.get("canvas_length", 256), moe=moe,
         tied_head=bool(hf.get("tie_word_embeddings", True) and text.get("tie_word_embeddings", True)),
         sliding_window=text.get("sliding_window", 512), full_layers=tuple(full), full_head_size=size,
         full_kv_heads=kv_heads, full_rope_theta=rope[_FULL]["rope_theta"],
@@ -120,7 +120,7 @@ def hf_config(cfg: GemmaConfig) -> dict:
             "moe_intermediate_size": cfg.moe.expert_size, "hidden_activation": "gelu_pytorch_tanh",
             "max_position_embeddings": cfg.max_length, "pad_token_id": cfg.pad_id,
             "eos_token_id": eos if len(eos) > 1 else eos[0], "tie_word_embeddings": cfg.tied_head}
-    out = {"model_type": MODEL_TYPE, "architectures": list(HF_CLASSES), "canvas_length": cfg.block_size,
+    out = {"model_type": MODEL_TYPE, "architectures": list(HF_CLASSES), "canvas_length": cfg.canvas_length,
            "tie_word_embeddings": cfg.tied_head, "text_config": text}
     return out if cfg.image_token_id is None else {**out, "image_token_id": cfg.image_token_id}
 
@@ -132,8 +132,9 @@ def _preset(d, layers, full, heads, kv_heads, head, full_kv_heads, full_head, wi
     return GemmaConfig(arch="diffusion_gemma", vocab_size=vocab, hidden_size=d, intermediate_size=dense,
                        n_layers=layers, n_heads=heads, n_kv_heads=kv_heads, rms_norm_eps=1e-6, rope_theta=10_000.0,
                        qkv_bias=False, logit_shift=0, mask_id=None, max_length=max_length, head_size=head,
-                       qk_norm=True, block_size=canvas, moe=moe, tied_head=True, sliding_window=window,
-                       full_layers=full, full_head_size=full_head, full_kv_heads=full_kv_heads, **ids)
+                       qk_norm=True, causal_prefix=True, canvas_length=canvas, moe=moe, tied_head=True,
+                       sliding_window=window, full_layers=full, full_head_size=full_head, full_kv_heads=full_kv_heads,
+                       **ids)
 
 
 PRESETS = {  # the released text config (spec section 1); max_length: transformers' default, not verified

@@ -25,9 +25,11 @@ from .transformer import KVAccess, ModelConfig, Network, Rows, head, rope, rope_
 
 @dataclass(frozen=True)
 class GemmaConfig(ModelConfig):
-    """`ModelConfig`'s fields describe the sliding layers (`rope_theta`, `n_kv_heads`, `head_size`); `block_size`
-    is the canvas: a canvas sees the committed tokens before it and itself, never a later canvas."""
+    """`ModelConfig`'s fields describe the sliding layers (`rope_theta`, `n_kv_heads`, `head_size`). The attention
+    is causal-prefix (`causal_prefix`): committed tokens causal, the canvas being denoised bidirectional over them
+    and itself, in canvases of `canvas_length`."""
 
+    canvas_length: int = 256  # the block the model was trained to denoise
     sliding_window: int = 512  # a sliding layer's causal query sees this many keys, itself included
     full_layers: tuple[int, ...] = ()  # the full-attention layers
     full_head_size: int = 512
@@ -43,6 +45,8 @@ class GemmaConfig(ModelConfig):
             raise ValueError("DiffusionGemma needs a mixture of experts with Gemma's router in every layer")
         if not self.full_layers or any(not 0 <= i < self.n_layers for i in self.full_layers):
             raise ValueError(f"full-attention layers {self.full_layers} must be among the {self.n_layers} layers")
+        if self.canvas_length < 1 or isinstance(self.canvas_length, bool):
+            raise ValueError(f"canvas_length must be a positive integer, got {self.canvas_length!r}")
         if self.n_heads % self.full_kv_heads or self.full_head_size % 2 or self.sliding_window < 2:
             raise ValueError(f"{self.full_kv_heads} full-layer key/value heads must divide {self.n_heads} heads, "
                              f"the full head size {self.full_head_size} be even and the window at least 2")
