@@ -363,7 +363,7 @@ def _list(args) -> int:
         print(json.dumps(entries, default=str))
         return 0
     for e in entries:
-        print(e["name"] + (f": {e['doc']}" if e.get("doc") else ""))
+        print(e["name"] + (f" ({e['family']})" if "family" in e else "") + (f": {e['doc']}" if e.get("doc") else ""))
         for p in e.get("params", []):
             default = repr(p["default"]) if isinstance(p["default"], str) else p["default"]
             print(f"    {p['name']} ({p['type']}, default {default}): {p['doc']}")

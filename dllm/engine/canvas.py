@@ -37,6 +37,10 @@ class Canvas:
             if bad is not None:
                 raise DllmError(f"prompt {row} has token id {bad}, outside the model's vocabulary "
                                 f"[0, {cfg.vocab_size}); encode it with the model's tokenizer")
+            image = getattr(cfg, "image_token_id", None)
+            if image is not None and image in ids:
+                raise DllmError(f"prompt {row} holds the image token {image}, but this {cfg.arch} model is text only "
+                                f"(its vision tower is not loaded); remove the image from the prompt")
         width = max(map(len, prompts))
         length = width + gen_length
         if length > cfg.max_length:

@@ -40,9 +40,18 @@ def check_lengths(gen_length: int, block_length: int, steps: int | None, model_b
     return steps // blocks
 
 
+def check_masked(model: DiffusionLM) -> None:
+    """The model is a masked diffusion model: the loop decodes masks (a uniform-state model has none)."""
+    if model.config.mask_id is None:
+        raise DllmError(f"{model.config.arch} is a uniform-state model (its canvas starts as random tokens, there is "
+                        f"no mask token), which the decode loop does not run yet (issue #37); use a masked diffusion "
+                        f"model such as tiny-llada")
+
+
 def check_policies(model: DiffusionLM, sampler: Sampler, cache: Cache, compile: bool = False) -> None:
     """The sampler, the cache and the model can decode together (else the one-line reason)."""
     cfg = model.config
+    check_masked(model)
     if cfg.pad_id == cfg.mask_id:
         raise DllmError("the model's pad id equals its mask id; fix pad_token_id in config.json")
     problem = sampler.check_model(cfg)

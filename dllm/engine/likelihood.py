@@ -24,10 +24,12 @@ from .. import samplers
 from ..core.checks import check_int, check_seed
 from ..core.errors import DllmError
 from ..models import DiffusionLM
+from .checks import check_masked
 from .loop import decode
 
 
 def _check(model: DiffusionLM, prefix: list[int], target: list[int]) -> None:
+    check_masked(model)
     vocab = model.config.vocab_size
     for name, ids in (("context", prefix), ("continuation", target)):
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab

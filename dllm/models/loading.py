@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from ..core.errors import DllmError
 from . import ARCHITECTURES_BY_NAME, PRESETS, DiffusionLM, ModelConfig, architecture_of
-from .transformer import rope_frequencies, shard_rows
+from .transformer import shard_rows
 
 SHIPPED_DIR = Path(__file__).parent / "checkpoints"
 
@@ -106,18 +106,18 @@ def _load_random(preset: str, device, dtype: torch.dtype, seed: int):
 
 
 def build_model(cfg: ModelConfig, device, dtype: torch.dtype) -> DiffusionLM:
-    """A model on `device` in `dtype` with uninitialised weights: built on the meta device and given memory
-    once (no random init of weights that a checkpoint or `init_random` overwrites)."""
+    """A model (its architecture's `MODEL_CLASS`, else `DiffusionLM`) on `device` in `dtype` with uninitialised
+    weights: built on the meta device and given memory once (no random init of weights that a checkpoint or
+    `init_random` overwrites)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = DiffusionLM(cfg)
+            model = getattr(ARCHITECTURES_BY_NAME[cfg.arch], "MODEL_CLASS", DiffusionLM)(cfg)
     finally:
         torch.set_default_dtype(previous)
     model.to_empty(device=device)
-    model.tie_head()
-    model.inv_freq = rope_frequencies(cfg, model.device)
+    model.init_buffers()
     return model
 
 
@@ -125,7 +125,7 @@ def build_model(cfg: ModelConfig, device, dtype: torch.dtype) -> DiffusionLM:
 def init_random(model: DiffusionLM, seed: int, std: float = 0.02) -> None:
     gen = torch.Generator(device=model.device).manual_seed(seed)
     for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
+        if name.endswith(("norm.weight", "scale")):  # norms, and DiffusionGemma's router and layer scales
             p.fill_(1.0)
         elif name.endswith("bias"):
             p.zero_()
@@ -157,7 +157,8 @@ def read_config(path: Path) -> tuple[dict, object]:
     if arch is None:
         supported = ", ".join(dict.fromkeys(a.MODEL_TYPE for a in ARCHITECTURES_BY_NAME.values()))
         raise DllmError(f"unknown model_type {hf.get('model_type')!r} in {cfg_file}; supported: {supported} "
-                        f"(LLaDA, Dream, SDAR, LLaDA2, LLaDA-MoE, Fast-dLLM v2 and Nemotron-Labs-Diffusion checkpoints)")
+                        f"(LLaDA, Dream, SDAR, LLaDA2, LLaDA-MoE, Fast-dLLM v2, Nemotron-Labs-Diffusion and DiffusionGemma "
+                        f"checkpoints)")
     return hf, arch
 
 
@@ -176,14 +177,19 @@ def load_dir(path: Path, device="cpu", dtype: torch.dtype | None = None):
         problem = f"missing field {e}" if isinstance(e, KeyError) else e if isinstance(e, ValueError) else \
             f"a field has the wrong type ({e})"
         raise DllmError(f"{path / 'config.json'}: {problem}") from None
+    generation = read_json(path / "generation_config.json", "fix or delete it") \
+        if (path / "generation_config.json").exists() else {}
+    stops = {*cfg.stop_ids, *generation_stop_ids(generation, path)}  # what transformers' generate stops on too
     padding = tokenizer.get_vocab().get(DLM_PAD)
     if padding is not None:  # DiffuCoder fills the canvas after its answer with this token: the answer ends there
-        cfg = dataclasses.replace(cfg, stop_ids=tuple(sorted({*cfg.stop_ids, padding})))
+        stops.add(padding)
+    if stops != set(cfg.stop_ids):
+        cfg = dataclasses.replace(cfg, stop_ids=tuple(sorted(stops)))
     if dtype is None:
         dtype = torch.float32 if torch.device(device).type == "cpu" else _checkpoint_dtype(hf, path)
     model = build_model(cfg, device, dtype)
-    load_weights(model, path, arch.WEIGHT_NAMES)
-    model.generation_defaults = read_generation_config(path)
+    load_weights(model, path, arch.WEIGHT_NAMES, getattr(arch, "SKIPPED_WEIGHTS", ()))
+    model.generation_defaults = generation_defaults(generation, path)
     return model.eval(), tokenizer
 
 
@@ -201,14 +207,21 @@ def _checkpoint_dtype(hf: dict, path: Path) -> torch.dtype:
 GENERATION_KEYS = {"max_new_tokens": "gen_length", "block_length": "block_length", "steps": "steps"}
 
 
-def read_generation_config(path: Path) -> dict[str, int | bool]:
-    """The decoding defaults a checkpoint directory carries in `generation_config.json` (they win over ours),
-    and `multi_turn` (ours; false for a model trained on single turns: `dllm chat` then starts every turn
-    afresh)."""
+def generation_stop_ids(hf: dict, path: Path) -> tuple[int, ...]:
+    """The `eos_token_id`s of a `generation_config.json` (read as `hf`; one id or a list)."""
+    value = hf.get("eos_token_id")
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+        raise DllmError(f"{path / 'generation_config.json'}: eos_token_id must be a token id or a list of them, got "
+                        f"{value!r}; fix or delete it")
+    return tuple(ids)
+
+
+def generation_defaults(hf: dict, path: Path) -> dict[str, int | bool]:
+    """The decoding defaults a checkpoint directory carries in `generation_config.json` (read as `hf`; they win
+    over ours), and `multi_turn` (ours; false for a model trained on single turns: `dllm chat` then starts every
+    turn afresh)."""
     file = path / "generation_config.json"
-    if not file.exists():
-        return {}
-    hf = read_json(file, "fix or delete it")
     out = {ours: hf[key] for key, ours in GENERATION_KEYS.items() if hf.get(key) is not None}
     if "gen_length" not in out:  # steps only mean something with the length they were chosen for
         out.pop("steps", None)
@@ -318,9 +331,10 @@ FLOAT_WEIGHTS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 @torch.no_grad()
-def load_weights(model: DiffusionLM, path: Path, table: dict[str, str]) -> None:
-    """Stream every tensor from the safetensors files into `model`, strictly: no missing or extra names, and
-    every parameter of ours written (the model's memory is uninitialised until then)."""
+def load_weights(model: DiffusionLM, path: Path, table: dict[str, str], skipped: tuple[str, ...] = ()) -> None:
+    """Stream every tensor from the safetensors files into `model`, strictly: no missing or extra names (but
+    those starting with a `skipped` prefix and not in the table), and every parameter of ours written (the
+    model's memory is uninitialised until then)."""
     params = dict(model.named_parameters())
     names = table_names(model, table)
     unfilled = set(params) - {_parameter(ours) for ours in names.values()}
@@ -329,7 +343,8 @@ def load_weights(model: DiffusionLM, path: Path, table: dict[str, str]) -> None:
     files = _shard_files(path)
     missing = sorted(set(names) - set(files))
     tied = {ckpt for ckpt, ours in table.items() if ours == "lm_head.weight" and model.config.tied_head}
-    unexpected = sorted(set(files) - set(names) - tied)  # a tied checkpoint may still hold its head
+    unexpected = sorted(name for name in set(files) - set(names) - tied  # a tied checkpoint may still hold its head
+                        if not name.startswith(skipped))
     if missing or unexpected:
         detail = (f"missing {len(missing)} tensors (first: {missing[0]})" if missing else "") + \
                  (("; " if missing else "") + f"unexpected {len(unexpected)} (first: {unexpected[0]})" if unexpected else "")

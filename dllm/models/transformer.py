@@ -36,7 +36,7 @@ class ModelConfig:
     rope_theta: float
     qkv_bias: bool
     logit_shift: int  # 0: logits[i] predict token i (LLaDA); 1: hidden i-1 predicts token i (Dream)
-    mask_id: int
+    mask_id: int | None  # None: a uniform-state model, whose canvas starts as random tokens (DiffusionGemma)
     pad_id: int
     stop_ids: tuple[int, ...]  # a row's answer ends at the first of these
     filler_id: int  # written after the answer once a row has finished
@@ -78,8 +78,9 @@ class ModelConfig:
                 raise ValueError(f"the query scale needs beta >= 0 and a positive length, got {self.query_scale!r}")
         if self.causal_prefix and self.block_size:
             raise ValueError("a network is either block-causal (block_size) or causal-prefix, not both")
-        for name, value in (("mask token id", self.mask_id), ("pad token id", self.pad_id),
-                            ("eos token id", self.filler_id)):  # stop ids outside the vocabulary never stop a row
+        # (stop ids are not checked: one outside the vocabulary never stops a row)
+        ids = [] if self.mask_id is None else [("mask token id", self.mask_id)]
+        for name, value in [*ids, ("pad token id", self.pad_id), ("eos token id", self.filler_id)]:
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < self.vocab_size:
                 raise ValueError(f"the {name} {value!r} must be a token id below vocab_size {self.vocab_size}")
 
@@ -228,9 +229,16 @@ def head(x: Tensor, weight: Tensor) -> Tensor:
     return (weight @ flat.T).T.contiguous().reshape(*x.shape[:-1], weight.shape[0])
 
 
+def rope_tables(positions: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
+    """cos and the signed sin `[B, 1, A, R]` of `rope` for `[B, A]` positions and `[R / 2]` inverse frequencies."""
+    angles = positions.float()[..., None] * inv_freq
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat((cos, cos), dim=-1)[:, None], torch.cat((-sin, sin), dim=-1)[:, None]
+
+
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate-half RoPE in fp32 (LLaDA's `rope_full_precision`); x `[B, H, A, D]`, cos and the signed sin
-    `[B, 1, A, R]` (a table of `DiffusionLM.rope_tables`): the first R dims rotate, the rest pass through (partial RoPE,
+    `[B, 1, A, R]` (a table of `rope_tables`): the first R dims rotate, the rest pass through (partial RoPE,
     LLaDA2). rotate_half(x) * sin is computed as roll(x) * (-sin, sin): the same products, two kernels fewer."""
     r = cos.shape[-1]
     xf = x[..., :r].float()
@@ -333,23 +341,17 @@ class Block(nn.Module):
         return attention_probabilities(q.gather(2, index), k, key_mask)
 
 
-class DiffusionLM(nn.Module):
-    """A LLaDA or Dream network. `forward(input_ids)` returns position-aligned logits for the whole canvas;
-    the decode loop uses `run` to compute only active rows against a cache."""
+class Network(nn.Module):
+    """What every network shares: its config, the decoding defaults of its checkpoint directory, an embedding
+    `embed` and LM head `lm_head` (tied when the config says so), its device and float type."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
         self.generation_defaults: dict[str, int | bool] = {}  # from generation_config.json (dllm.loading)
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.tie_head()
-        self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
 
-    def tie_head(self) -> None:
-        """Share the embedding matrix with the LM head when the config says so (again after `to_empty`)."""
+    def init_buffers(self) -> None:
+        """Ties and computed buffers, again after `to_empty` (which leaves them unset); subclasses add theirs."""
         if self.config.tied_head:
             self.lm_head.weight = self.embed.weight
 
@@ -361,15 +363,31 @@ class DiffusionLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
 
+
+class DiffusionLM(Network):
+    """A LLaDA or Dream network. `forward(input_ids)` returns position-aligned logits for the whole canvas;
+    the decode loop uses `run` to compute only active rows against a cache."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", torch.empty(0), persistent=False)
+        self.init_buffers()
+
+    def init_buffers(self) -> None:
+        super().init_buffers()
+        self.inv_freq = rope_frequencies(self.config, self.inv_freq.device)
+
     def rope_tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos and the signed sin `[B, 1, A, R]` of `rope` for `[B, A]` positions, times YaRN's attention factor.
         With a query scale, `[B, 2, A, R]`: the keys' tables, then the queries' with their scale
         `1 + beta * log(1 + floor(position / length))` folded in (RoPE is linear, so scaling after it is scaling
         its tables)."""
         cfg = self.config
-        angles = positions.float()[..., None] * self.inv_freq
-        cos, sin = angles.cos(), angles.sin()
-        cos, sin = torch.cat((cos, cos), dim=-1)[:, None], torch.cat((-sin, sin), dim=-1)[:, None]
+        cos, sin = rope_tables(positions, self.inv_freq)
         if cfg.yarn is not None and cfg.yarn.attention_factor != 1:
             cos, sin = cos * cfg.yarn.attention_factor, sin * cfg.yarn.attention_factor
         if cfg.query_scale is None:

@@ -1,0 +1,117 @@
+"""DiffusionGemma's decoding rule for a uniform-state canvas (spec `new_families.md` section 1; transformers'
+`EntropyBoundSampler`, `LinearTemperatureScheduleLogitsProcessor` and `StableAndConfidentStoppingCriteria`; the
+bound after arXiv 2505.24857), as pure functions of one step's logits.
+
+A canvas starts as uniformly random tokens and is denoised for at most `steps` steps, counted down s = N..1. Each
+step scales the logits by the temperature `t_min + (t_max - t_min) * s / N`, samples every position, keeps the
+samples of the lowest-entropy positions whose entropies, all but the largest, sum to at most `bound`, and gives
+every other position a fresh random token. A canvas stops once its argmax has not changed for `stability` steps
+and the mean entropy of its scaled predictions is below `confidence`; it then commits that argmax (after `steps`
+steps in any case). The scaled logits are the next step's self-conditioning input.
+
+Not registered as a sampler yet: the decode loop does not run uniform-state models (issue #37)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dllm.core.errors import DllmError
+from dllm.core.params import Params, param
+
+
+@dataclass
+class EntropyBound(Params):
+    """The rule's parameters; defaults: transformers' generation defaults, as the released
+    `generation_config.json` sets them (48 steps, t 0.8 -> 0.4, bound 0.1)."""
+
+    kind = "sampler"
+    name = "entropy_bound"
+    bound: float = param(0.1, "keep the lowest-entropy samples while their entropies but the largest sum to at "
+                              "most this (nats)", gt=0.0)
+    steps: int = param(48, "denoising steps of a canvas at most (max_denoising_steps)", ge=1)
+    t_max: float = param(0.8, "temperature of a canvas's first step", ge=0.0)
+    t_min: float = param(0.4, "temperature the schedule falls towards (its last step: t_min + (t_max - t_min) / "
+                              "steps)", ge=0.0)
+    stability: int = param(1, "stop once the argmax canvas equals that of each of this many steps before (0: "
+                              "confidence alone)", ge=0)
+    confidence: float = param(0.005, "... and the mean entropy of the scaled predictions is below this (nats)",
+                              gt=0.0)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.t_max <= self.t_min:
+            raise DllmError(f"sampler 'entropy_bound' needs t_max > t_min, got t_max {self.t_max} and t_min "
+                            f"{self.t_min}")
+
+
+def temperature(steps_left: int, steps: int, t_min: float, t_max: float) -> Tensor:
+    """The schedule's temperature with `steps_left` of `steps` steps to go (N at the first step, 1 at the last),
+    computed in float32 as transformers does (so scaled logits match it bit for bit)."""
+    return t_min + (t_max - t_min) * (torch.tensor(steps_left, dtype=torch.int32) / steps)
+
+
+def token_entropy(logits: Tensor) -> Tensor:
+    """Entropy (nats) of softmax(logits) over the last dimension, in float32."""
+    logp = logits.float().log_softmax(-1)
+    return -(logp.exp() * logp.clamp(min=torch.finfo(logp.dtype).min)).sum(-1)
+
+
+def low_entropy_keep(entropy: Tensor, bound: float) -> Tensor:
+    """`[B, C]` bool: the positions kept, the lowest-entropy first while the sum of their entropies minus the
+    largest of them stays within `bound` (so the lowest one always; ties in entropy: torch's sort order)."""
+    ranked, order = entropy.sort(dim=-1)
+    kept = ranked.cumsum(-1) - ranked <= bound
+    return torch.zeros_like(kept).scatter(-1, order, kept)
+
+
+def new_history(stability: int, argmax: Tensor) -> Tensor:
+    """The stop rule's memory at a canvas's start: `stability` argmax canvases that match nothing (-1)."""
+    return argmax.new_full((stability, *argmax.shape), -1)
+
+
+def stops(argmax: Tensor, history: Tensor, entropy: Tensor, confidence: float) -> tuple[Tensor, Tensor]:
+    """`[B]` rows whose canvas stops (argmax equal to every canvas in `history` `[k, B, C]`, mean entropy below
+    `confidence`), and the history with `argmax` appended (the oldest dropped)."""
+    stable = (history == argmax).all(-1).all(0)
+    return stable & (entropy.mean(-1) < confidence), torch.cat((history, argmax[None]))[1:]
+
+
+@dataclass
+class CanvasStep:
+    """One step of a batch of canvases."""
+
+    canvas: Tensor  # [B, C] the next canvas: kept samples, fresh random tokens elsewhere
+    argmax: Tensor  # [B, C] what a stopping canvas commits
+    keep: Tensor  # [B, C] bool: positions whose sample was kept
+    stop: Tensor  # [B] bool: canvases that stop (commit `argmax`) now
+    scaled: Tensor  # [B, C, V] the temperature-scaled logits: the next step's self-conditioning input
+    history: Tensor  # [stability, B, C] the stop rule's memory for the next step
+
+
+def random_canvas(shape: tuple[int, int], vocab: int, generators: list[torch.Generator], device) -> Tensor:
+    """`[B, C]` uniformly random token ids, row b drawn from `generators[b]` (a fresh canvas's tokens)."""
+    return torch.stack([torch.randint(0, vocab, shape[1:], generator=g, device=device) for g in generators])
+
+
+def entropy_bound_step(logits: Tensor, canvas: Tensor, history: Tensor, steps_left: int, rule: EntropyBound,
+                       generators: list[torch.Generator | None]) -> CanvasStep:
+    """One step for canvases `[B, C]` given their logits `[B, C, V]` (soft-capped, unscaled). Row b draws from
+    `generators[b]`: its samples (one multinomial draw per position) then its fresh tokens, the order of
+    transformers' `generate` for one row; a None row (stopped) draws nothing and keeps its canvas."""
+    scaled = logits.float() / temperature(steps_left, rule.steps, rule.t_min, rule.t_max).to(logits.device)
+    entropy = token_entropy(scaled)
+    argmax = scaled.argmax(-1)
+    keep = low_entropy_keep(entropy, rule.bound)
+    probs = scaled.softmax(-1)
+    rows = []
+    for b, g in enumerate(generators):
+        if g is None:
+            rows.append(canvas[b])
+            continue
+        sample = torch.multinomial(probs[b], 1, generator=g)[:, 0]
+        noise = torch.randint(0, probs.shape[-1], sample.shape, generator=g, device=sample.device)
+        rows.append(torch.where(keep[b], sample, noise))
+    stop, history = stops(argmax, history, entropy, rule.confidence)
+    return CanvasStep(torch.stack(rows), argmax, keep, stop, scaled, history)

@@ -1,0 +1,254 @@
+"""DiffusionGemma (issue #37, spec `new_families.md` section 1): the native network equals transformers'
+`DiffusionGemmaForBlockDiffusion` on tiny random weights saved with `save_pretrained` and loaded through our
+loader, in both modes (encoder over a left-padded prompt and over a committed canvas; decoder with and without
+self-conditioning), with a sliding window shorter than the context so the window rule is exercised; composed
+with the entropy-bound rule, it generates transformers' very tokens from the same seed."""
+import copy
+import dataclasses
+import json
+
+import pytest
+import torch
+from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, DynamicCache
+
+import dllm
+from dllm.cli import main
+from dllm.core.errors import DllmError
+from dllm.engine.canvas import Canvas
+from dllm.models import PRESETS, diffusion_gemma
+from dllm.models.gemma import DiffusionGemma
+from dllm.models.loading import build_model, checkpoint_state, save_pretrained
+from dllm.models.tokenizer import build_char_tokenizer, save_tokenizer
+from dllm.samplers.entropy_bound import EntropyBound, entropy_bound_step, new_history, random_canvas
+
+TINY_VISION = dict(model_type="gemma4_vision", hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                   num_attention_heads=2, num_key_value_heads=2, head_dim=4, position_embedding_size=8, patch_size=2)
+PROMPTS = [[2, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [2, 60, 61, 62, 63]]  # 12 and 5 tokens, window 8
+TOLERANCE = 2e-5  # float32 logits; measured: at most 5.2e-6 (printed by the test)
+
+
+class Columns:
+    """A batch's canvas columns `[pad | prompt | canvases]` as a cache would hold them: RoPE positions counting
+    real tokens, the real-token mask, and a full-length key/value store with each layer's own shape
+    (`DiffusionGemma.kv_shapes`) that writes the rows it is given and returns every row (the masks decide what a
+    query sees)."""
+
+    def __init__(self, model, real):
+        self.model, self.real = model, real
+        self.positions = (real.long().cumsum(1) - 1).clamp(min=0)
+        shape = [(len(real), h, real.shape[1], d) for h, d in model.kv_shapes()]
+        self.k, self.v = ([torch.zeros(s, dtype=model.dtype) for s in shape] for _ in range(2))
+
+    def update(self, layer, rows, q, k, v):
+        self.k[layer][:, :, rows.index], self.v[layer][:, :, rows.index] = k, v
+        return self.k[layer], self.v[layer]
+
+    def run(self, ids, start, decoder, self_conditioning=None):
+        """Logits of `ids` at columns `[start, start + len)` in one mode, their K/V written."""
+        cols = slice(start, start + ids.shape[1])
+        masks = self.model.visible_keys(self.positions[:, cols], self.positions, self.real, decoder)
+        return self.model.run(ids, self.positions[:, cols], masks, self, dllm.models.Rows(cols), decoder=decoder,
+                              self_conditioning=self_conditioning)
+
+
+def _randomize(ref, seed=0):
+    """Every weight and scale away from its initial value (norms, layer scalars and router scales included) and
+    routers sharp enough that no two experts tie."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in [*ref.named_parameters(), *ref.named_buffers()]:
+            if "rotary" in name or "inv_freq" in name or "embed_scale" in name:
+                continue
+            if name.endswith(("norm.weight", "scale", "layer_scalar")):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith("router.proj.weight"):
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """transformers' model built from the tiny preset's config.json, and ours loaded from its save_pretrained."""
+    hf = diffusion_gemma.hf_config(PRESETS["diffusion-gemma-tiny"])
+    ref = DiffusionGemmaForBlockDiffusion(DiffusionGemmaConfig(**{**hf, "vision_config": TINY_VISION})).eval()
+    _randomize(ref)
+    path = tmp_path_factory.mktemp("dgemma")
+    ref.save_pretrained(path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 7], "max_new_tokens": 32}))
+    save_tokenizer(build_char_tokenizer("llada"), path)
+    model, _ = dllm.load(str(path))
+    return ref, model, path
+
+
+def _layout(canvases=2):
+    """The left-padded prompts and the real-token mask of `[pad | prompt | canvas x canvases]`."""
+    width, size = max(map(len, PROMPTS)), PRESETS["diffusion-gemma-tiny"].canvas_length
+    real = torch.tensor([[False] * (width - len(p)) + [True] * (len(p) + canvases * size) for p in PROMPTS])
+    return torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS]), real, width, size
+
+
+def _softcapped(ref, hidden):
+    cap = ref.config.text_config.final_logit_softcapping
+    return torch.tanh(ref.lm_head(hidden) / cap) * cap
+
+
+def test_both_modes_equal_transformers(pair):
+    ref, model, _ = pair
+    prompt, real, width, size = _layout()
+    g = torch.Generator().manual_seed(3)
+    first, committed, second = (torch.randint(0, 128, (len(PROMPTS), size), generator=g) for _ in range(3))
+    ours, cache = Columns(model, real), DynamicCache(config=ref.config.get_text_config())
+    positions, diffs = ours.positions, {}
+
+    def theirs(tokens, start, decoder, sc=None):
+        cols = slice(start, start + tokens.shape[1])
+        if decoder:
+            return ref(cache=cache, decoder_input_ids=tokens, decoder_attention_mask=real[:, :cols.stop],
+                       decoder_position_ids=positions[:, cols], self_conditioning_logits=sc).logits
+        out = ref.model.encoder(input_ids=tokens, attention_mask=real[:, :cols.stop], cache=cache,
+                                position_ids=positions[:, cols])
+        return _softcapped(ref, out.last_hidden_state)
+
+    def compare(name, tokens, start, decoder, sc=None):
+        got = ours.run(tokens, start, decoder, sc)
+        diffs[name] = (got - theirs(tokens, start, decoder, sc))[real[:, start:start + tokens.shape[1]]].abs().max()
+        return got
+
+    with torch.no_grad():
+        compare("encoder, prompt", prompt, 0, False)
+        plain = compare("decoder", first, width, True)
+        scaled = plain / 0.7  # a temperature-scaled previous step, as the sampler passes it on
+        conditioned = compare("decoder, self-conditioned", first, width, True, scaled)
+        compare("encoder, committed canvas", committed, width, False)
+        compare("decoder, second canvas", second, width + size, True, scaled)
+    print("max |logit difference| vs transformers (float32):", {k: f"{v:.1e}" for k, v in diffs.items()})
+    assert max(diffs.values()) < TOLERANCE, diffs
+    assert (conditioned - plain).abs().max() > 0.1  # self-conditioning changes the logits
+
+
+def test_padded_row_equals_alone(pair):
+    """A left-padded row gives the logits of its prompt decoded alone (RoPE positions count real tokens)."""
+    _, model, _ = pair
+    prompt, real, width, size = _layout(canvases=1)
+    canvas = torch.randint(0, 128, (len(PROMPTS), size), generator=torch.Generator().manual_seed(5))
+    short = width - len(PROMPTS[1])
+    with torch.no_grad():
+        batch, alone = Columns(model, real), Columns(model, real[1:, short:])
+        batch.run(prompt, 0, False)
+        alone.run(prompt[1:, short:], 0, False)
+        torch.testing.assert_close(batch.run(canvas, width, True)[1:], alone.run(canvas[1:], width - short, True),
+                                   atol=1e-5, rtol=0)
+
+
+def test_loading(pair):
+    """The vision tower is skipped, the encoder keeps its own layer scalars, generation_config's eos ids stop a
+    row, and our checkpoint names round-trip."""
+    ref, model, path = pair
+    assert isinstance(model, DiffusionGemma) and model.config.mask_id is None
+    assert model.config.stop_ids == (1, 7) and model.generation_defaults == {"gen_length": 32}
+    for i, layer in enumerate(model.layers):
+        assert layer.encoder_scale.item() == ref.model.encoder.language_model.layers[i].layer_scalar.item()
+        assert layer.decoder_scale.item() == ref.model.decoder.layers[i].layer_scalar.item()
+        assert layer.encoder_scale.item() != layer.decoder_scale.item()
+    assert model.config.num_parameters() == sum(p.numel() for p in model.parameters())
+    state = checkpoint_state(model)
+    assert not any(name.startswith("model.encoder.vision_tower") for name in state)
+    save_pretrained(model, build_char_tokenizer("llada"), path / "ours")
+    again = DiffusionGemmaConfig.from_pretrained(path / "ours")  # transformers reads our config.json
+    assert again.text_config.per_layer_config[2].head_dim == 32 and again.canvas_length == 16
+    reloaded = dict(dllm.load(str(path / "ours"))[0].named_parameters())
+    assert all(torch.equal(p, reloaded[name]) for name, p in model.named_parameters())
+
+
+def test_config_refusals():
+    hf = diffusion_gemma.hf_config(PRESETS["diffusion-gemma-tiny"])
+    bidirectional = {**hf, "text_config": {**hf["text_config"], "use_bidirectional_attention": "all"}}
+    with pytest.raises(ValueError, match="encoder is causal"):
+        diffusion_gemma.config_from_hf(bidirectional)
+    scaled = {**hf, "text_config": {**hf["text_config"], "rope_parameters": {
+        "full_attention": {"rope_type": "proportional", "rope_theta": 1e6, "factor": 8.0}}}}
+    with pytest.raises(ValueError, match="unscaled proportional RoPE"):
+        diffusion_gemma.config_from_hf(scaled)
+
+
+def test_released_config_reads_as_the_preset():
+    """The released config.json's layout (global_head_dim, num_global_key_value_heads, 5:1 layers) gives the
+    26B-A4B preset."""
+    want = PRESETS["diffusion-gemma-26b-a4b"]
+    text = {k: v for k, v in diffusion_gemma.hf_config(want)["text_config"].items() if k != "layer_types"}
+    got = diffusion_gemma.config_from_hf({"canvas_length": 256, "image_token_id": 258_880, "text_config": text})
+    assert got == want
+    assert round(want.num_parameters() / 1e9, 2) == 25.25
+
+
+def test_listed_with_its_family(capsys):
+    assert main(["list", "models", "--json"]) == 0
+    listed = {e["name"]: e["family"] for e in json.loads(capsys.readouterr().out)}
+    assert listed["random:diffusion-gemma-tiny"] == listed["random:diffusion-gemma-26b-a4b"] == "diffusion_gemma"
+    assert listed["tiny-llada"] == "llada"
+
+
+def test_generation_is_refused_by_name():
+    model, tok = dllm.load("random:diffusion-gemma-tiny")
+    with pytest.raises(DllmError, match="uniform-state"):
+        dllm.generate(model, tok, ["hi"], gen_length=16)
+
+
+def _generate_one(model, prompt, canvases, rule, seed, stop_ids):
+    """Our network and `entropy_bound_step` composed as transformers' `generate` runs one row: encode the prompt,
+    denoise each canvas from random tokens (self-conditioned on the previous step), commit its argmax, encode
+    it; stop after a canvas holding a stop id (what follows it in the canvas becomes pad)."""
+    g, size, vocab = torch.Generator().manual_seed(seed), model.config.canvas_length, model.config.vocab_size
+    columns, tokens = Columns(model, torch.ones(1, len(prompt) + canvases * size, dtype=torch.bool)), [prompt]
+    columns.run(torch.tensor(tokens), 0, False)
+    for _ in range(canvases):
+        start, sc = len(tokens[0]), None
+        canvas = random_canvas((1, size), vocab, [g], "cpu")
+        history = new_history(rule.stability, canvas)
+        for steps_left in range(rule.steps, 0, -1):
+            out = entropy_bound_step(columns.run(canvas, start, True, sc), canvas, history, steps_left, rule, [g])
+            canvas, history, sc = out.canvas, out.history, out.scaled
+            if out.stop.all():
+                break
+        answer = out.argmax[0].tolist()
+        end = next((i + 1 for i, t in enumerate(answer) if t in stop_ids), None)
+        tokens[0] += answer if end is None else answer[:end] + [model.config.pad_id] * (size - end)
+        if end is not None:
+            break
+        columns.run(out.argmax, start, False)
+    return torch.tensor(tokens)
+
+
+@pytest.mark.parametrize(("stability", "confidence", "stop_ids"), [
+    (1, 0.005, (1,)),  # three canvases of 12 steps each
+    (0, 5.0, (1,)),  # the first canvas stops at its first step (mean entropy below ln 128 < 5) and holds a 1
+    (1, 0.005, (7,)),  # the third canvas holds a 7: pad after it
+])
+def test_generation_replays_transformers_draws(pair, stability, confidence, stop_ids):
+    """One row, the same seed: our pieces generate transformers' tokens exactly (its `generate` draws the
+    batch's random numbers from one stream, so only a single row can replay them). Self-conditioning's output
+    weights at transformers' initial scale (std 0.02): at the fixture's 0.1 it amplifies a logit difference 3-5x
+    per step, so float32 rounding differences (2e-6 at a canvas's first step) reach 0.3 by the twelfth and flip a
+    committed argmax; at 0.02 they stay below 2e-5."""
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
+
+    ref, model = (copy.deepcopy(m) for m in pair[:2])
+    with torch.no_grad():
+        ref.model.decoder.self_conditioning.down_proj.weight.mul_(0.2)
+        model.self_conditioning.mlp.down_proj.weight.mul_(0.2)
+    rule = EntropyBound(steps=12, stability=stability, confidence=confidence)
+    torch.manual_seed(4)
+    want = ref.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=48, max_denoising_steps=rule.steps,
+                        t_min=rule.t_min, t_max=rule.t_max, stability_threshold=rule.stability,
+                        confidence_threshold=rule.confidence, sampler_config=EntropyBoundSamplerConfig(rule.bound),
+                        eos_token_id=list(stop_ids), pad_token_id=model.config.pad_id)
+    with torch.no_grad():
+        got = _generate_one(model, PROMPTS[0], 3, rule, 4, stop_ids)
+    assert torch.equal(got, want.sequences)
+
+
+def test_an_image_is_refused_by_name():
+    model = build_model(dataclasses.replace(PRESETS["diffusion-gemma-tiny"], image_token_id=100), "cpu", torch.float32)
+    with pytest.raises(DllmError, match="image token 100.*text only"):
+        Canvas.check(model, [[2, 5, 100, 6]], 16)
