@@ -36,6 +36,7 @@ class Runner:
         self.allocate = store_lender(model).take if self.graphed else caches.zeros  # graphs: lasting addresses
         self.kv = cache.new_kv(model, *canvas.tokens.shape, self.allocate)
         self.verified: tuple | None = None  # (drafts, fork, logits, rows) of the last `verify`
+        self.slice_slots: dict[tuple, Tensor] = {}  # `_slots` of slice rows, by window
 
     def retire(self) -> None:
         """Give lent stores back (the runner is not used after this)."""
@@ -59,8 +60,7 @@ class Runner:
         if copies > 1:
             positions = positions.repeat_interleave(copies, 0)
             key_mask = None if key_mask is None else key_mask.repeat_interleave(copies, 0)
-        shift = cfg.logit_shift
-        slots = caches.row_slots(rows, lo - shift, hi - shift, length, model.device).expand(tokens.shape[0], -1)
+        slots = self._slots(rows, lo - cfg.logit_shift, hi - cfg.logit_shift, tokens.shape[0])
         if self.compiled and rows.is_slice:
             rows = Rows(torch.arange(length, device=model.device)[rows.index])
         if key_mask is not None and not self.cache.stores_kv:
@@ -72,7 +72,8 @@ class Runner:
         began = clock(model.device) if self.profile else 0.0
         if self.graphed:
             torch.compiler.cudagraph_mark_step_begin()  # the last replay's outputs are no longer read
-        logits = self.run(caches.gather_rows(tokens, rows), query_positions, key_mask, kv, rows, slots.clamp(min=0))
+        logits = self.run(caches.gather_rows(tokens, rows), query_positions, key_mask, kv, rows,
+                          slots if rows.is_slice else slots.clamp(min=0))
         if self.graphed:
             logits = logits.clone()
         if not rows.is_slice and rows.index.dim() == 2:  # rows served from the store predict nothing this step
@@ -89,6 +90,16 @@ class Runner:
         self.stats.nfe += 1
         self.stats.full_forwards += int(full)
         return logits
+
+    def _slots(self, rows: Rows, lo: int, hi: int, batch: int) -> Tensor:
+        """`[batch, hi - lo]`: where canvas rows `[lo, hi)` sit among the computed `rows` (-1: not computed). A
+        slice's are the same at every step of a block, so they are made once per window."""
+        if not rows.is_slice:
+            return caches.row_slots(rows, lo, hi, self.canvas.tokens.shape[1], self.model.device).expand(batch, -1)
+        key = (lo - (rows.index.start or 0), hi - (rows.index.start or 0), batch)
+        if key not in self.slice_slots:
+            self.slice_slots[key] = caches.row_slots(rows, lo, hi, 0, self.model.device).expand(batch, -1)
+        return self.slice_slots[key]
 
     def verify(self, drafts: Tensor, lo: int, hi: int, rows: Rows) -> Tensor:
         """One forward over draft windows `[B, K, hi - lo]` on a fork of the store: the logits
