@@ -67,7 +67,8 @@ class DllmLM(LM):
                  gen_length: int | None = None, block_length: int | None = None, steps: int | None = None,
                  seed: int = 0, device: str | None = None, dtype: str | None = None, batch_size: int | str = 1,
                  max_batch_size: int | None = None, mc_num: int = 128, mc_batch_size: int = 32, cfg: float = 0.0,
-                 greedy_check: bool = True, **params) -> None:  # lm-eval passes max_batch_size
+                 greedy_check: bool = True, threads: int | str | None = None,
+                 **params) -> None:  # lm-eval passes max_batch_size
         super().__init__()
         from accelerate import PartialState
 
@@ -86,7 +87,8 @@ class DllmLM(LM):
         self._rank, self._world_size = state.process_index, state.num_processes
         if device == "cuda" and self._world_size > 1:
             device = f"cuda:{state.local_process_index}"
-        self.model, self.tokenizer = dllm.load(model, device=device, dtype=dtype)
+        self.model, self.tokenizer = dllm.load(model, device=device, dtype=dtype,
+                                               threads=None if threads is None else _number("threads", threads, int))
         self._device = self.model.device
         if self._world_size > 1:
             from accelerate import Accelerator

@@ -88,7 +88,9 @@ def test_mixed_parameters_at_once_each_equal_alone(server, tiny):
 
 
 BAD = [
-    ({"prompt": "copy: ab", "sampler": "thresh"}, "unknown sampler 'thresh'"),
+    ({"prompt": "copy: ab", "sampler": "thresh"}, "unknown sampler 'thresh'; did you mean 'threshold'?"),
+    ({"prompt": "copy: ab", "sampler": "prophet", "answer_start": 5, "max_tokens": 4},
+     "answer_start=5 is past the answer"),
     ({"prompt": "copy: ab", "sampler": ["threshold"]}, "unknown sampler ['threshold']"),
     ({"prompt": "copy: ab", "cache": {}}, "unknown cache {}"),
     ({"prompt": "copy: ab", "seed": 2**64}, "seed must be at most 9223372036854775807"),

@@ -39,6 +39,7 @@ def _prepare(model: DiffusionLM, tokenizer, prompts, sampler, cache, gen_length,
     sampler, cache = split_params(sampler, default_cache(model) if cache is None else cache, params, sampler_args,
                                   cache_args)
     lengths = decoding_lengths(model, gen_length, block_length, steps)
+    sampler.check_gen_length(lengths["gen_length"])
     for row_seed in seed if isinstance(seed, list) else [seed]:
         check_seed(row_seed)
     for name, flag in flags.items():

@@ -349,6 +349,7 @@ class Network(nn.Module):
         super().__init__()
         self.config = cfg
         self.generation_defaults: dict[str, int | bool] = {}  # from generation_config.json (dllm.loading)
+        self.threads: dict[str, int | str] = {}  # the CPU thread count `dllm.load` set, and why (models.threads)
 
     def init_buffers(self) -> None:
         """Ties and computed buffers, again after `to_empty` (which leaves them unset); subclasses add theirs."""

@@ -52,7 +52,7 @@ def bench_serve(model, tokenizer, name: str, defaults: dict[str, Any], max_batch
                          "mismatches": sum(t is not None and t != w for t, w in zip(texts, want))})
     config = {"model": name, "sampler": job.sampler.name, "cache": job.cache.name, **job.lengths,
               "max_batch": max_batch, "requests": len(prompts), "device": str(model.device),
-              "threads": torch.get_num_threads()}
+              "threads": torch.get_num_threads(), "threads_chosen_by": model.threads.get("chosen_by")}
     return {"config": config, "rows": rows}
 
 

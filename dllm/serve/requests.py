@@ -112,6 +112,7 @@ class RequestReader:
         seed = check_seed(body.get("seed", d["seed"]))
         Canvas.check(self.model, [ids], lengths["gen_length"])  # prompt too long etc.
         check_policies(self.model, sampler, cache, self.compile)
+        sampler.check_gen_length(lengths["gen_length"])
         sampler_key = (sampler.name, json.dumps(sampler.config(), sort_keys=True, default=str))
         sampler = self._prepared(sampler_key, sampler)
         block, gen = lengths["block_length"], lengths["gen_length"]
