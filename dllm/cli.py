@@ -6,6 +6,7 @@ import json
 import os
 import shlex
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ from dllm import cache as caches
 from dllm import samplers as samplers_mod
 
 from .core.checks import check_seed
-from .core.errors import DllmError
+from .core.errors import DllmError, one_line_notice
 from .engine.options import decoding_lengths, default_cache
 from .engine.text import check_plain_text
 
@@ -359,8 +360,8 @@ def _bench_serve(args) -> int:
 
 def _list(args) -> int:
     if args.what == "models":
-        from .models.loading import model_families
-        entries = [{"name": name, "family": family} for name, family in model_families().items()]
+        from .models.loading import describe_models
+        entries = describe_models()
     else:
         registry = samplers_mod.SAMPLERS if args.what == "samplers" else caches.CACHES
         entries = [cls.describe() for cls in registry]
@@ -449,6 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    warnings.formatwarning = one_line_notice
     args = build_parser().parse_args(argv)
     try:
         code = args.run(args)

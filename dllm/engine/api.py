@@ -14,7 +14,7 @@ from .checks import check_lengths
 from .loop import Batch, Row, decode
 from .options import decoding_lengths, default_cache, split_params
 from .stats import Stats
-from .text import is_token_id, answer_text, encode_prompts
+from .text import answer_text, encode_prompts, is_token_id, warn_outside_format
 
 if TYPE_CHECKING:
     from ..cache import Cache
@@ -46,6 +46,7 @@ def _prepare(model: DiffusionLM, tokenizer, prompts, sampler, cache, gen_length,
         if not isinstance(flag, bool):
             raise DllmError(f"{name} must be True or False, got {flag!r}")
     ids = encode_prompts(tokenizer, prompts, chat)
+    warn_outside_format(model, tokenizer, ids)
     if isinstance(seed, list) and len(seed) != len(ids):
         raise DllmError(f"seed is a list of {len(seed)} seeds for {len(ids)} prompts; give one per prompt or one int")
     sampler.prepare(tokenizer)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -35,6 +36,18 @@ def model_families() -> dict[str, str]:
     arch_names = {module: name for name, module in ARCHITECTURES_BY_NAME.items()}
     shipped = {name: arch_names[read_config(SHIPPED_DIR / name)[1]] for name in shipped_models()}
     return {**shipped, **{f"random:{name}": cfg.arch for name, cfg in PRESETS.items()}}
+
+
+def describe_models() -> list[dict[str, str]]:
+    """`dllm list models`: each name and architecture, with what a shipped model was trained on."""
+    out = [{"name": name, "family": family} for name, family in model_families().items()]
+    for entry in out:
+        if entry["name"] in shipped_models():
+            path = SHIPPED_DIR / entry["name"]
+            trained_on = generation_defaults(read_json(path / "generation_config.json", "fix it"), path).get(
+                "trained_on")
+            entry.update({"doc": f"trained on {trained_on}"} if trained_on else {})
+    return out
 
 
 def load(name_or_path: str, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
@@ -228,10 +241,11 @@ def generation_stop_ids(hf: dict, path: Path) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def generation_defaults(hf: dict, path: Path) -> dict[str, int | bool]:
+def generation_defaults(hf: dict, path: Path) -> dict[str, int | bool | str | list[str]]:
     """The decoding defaults a checkpoint directory carries in `generation_config.json` (read as `hf`; they win
-    over ours), and `multi_turn` (ours; false for a model trained on single turns: `dllm chat` then starts every
-    turn afresh)."""
+    over ours), and ours: `multi_turn` (false for a model trained on single turns: `dllm chat` then starts every
+    turn afresh), `prompt_formats` (regular expressions of the prompts it was trained on: others get a notice)
+    and `trained_on` (the same in words)."""
     file = path / "generation_config.json"
     out = {ours: hf[key] for key, ours in GENERATION_KEYS.items() if hf.get(key) is not None}
     if "gen_length" not in out:  # steps only mean something with the length they were chosen for
@@ -243,7 +257,20 @@ def generation_defaults(hf: dict, path: Path) -> dict[str, int | bool]:
         if not isinstance(hf["multi_turn"], bool):
             raise DllmError(f"{file}: multi_turn must be true or false, got {hf['multi_turn']!r}; fix or delete it")
         out["multi_turn"] = hf["multi_turn"]
+    for name, kind, ok in (("trained_on", "a string", lambda v: isinstance(v, str)),
+                           ("prompt_formats", "a list of regular expressions", _regexes)):
+        if name in hf and not ok(hf[name]):
+            raise DllmError(f"{file}: {name} must be {kind}, got {hf[name]!r}; fix or delete it")
+        if name in hf:
+            out[name] = hf[name]
     return out
+
+
+def _regexes(value) -> bool:
+    try:
+        return isinstance(value, list) and all(isinstance(v, str) and re.compile(v) for v in value)
+    except re.error:
+        return False
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")  # any one of them

@@ -15,7 +15,7 @@ from ..core.errors import DllmError
 from ..engine.canvas import Canvas
 from ..engine.checks import check_policies
 from ..engine.options import decoding_lengths, lengths_for_answer, split_params
-from ..engine.text import check_plain_text, encode_prompts
+from ..engine.text import check_plain_text, encode_prompts, warn_outside_format
 
 OPENAI_FIELDS = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "seed", "stream",
                  "n", "stop", "user", "stream_options", "ignore_eos",  # ignore_eos as vLLM: decode every block
@@ -89,6 +89,7 @@ class RequestReader:
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
             raise DllmError(f"stop must be a string or a list of non-empty strings, got {body.get('stop')!r}")
         ids = self._prompt_ids(body, chat)
+        warn_outside_format(self.model, self.tokenizer, [ids])  # in the server's log
         params = {k: v for k, v in body.items() if k not in OPENAI_FIELDS and k not in LAYOUT_FIELDS
                   and k not in ("sampler", "cache", "sampler_args", "cache_args")}
         if body.get("temperature") is not None:
