@@ -22,12 +22,16 @@ name.
 """
 from __future__ import annotations
 
+import os
 import sys
+import traceback
+import warnings
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from dllm.core.errors import DllmError
+from dllm.core.errors import DllmError, one_line_notice
 
 try:
     from lm_eval.api.model import LM
@@ -224,13 +228,32 @@ class DllmLM(LM):
 if register_model is not None:
     register_model("dllm")(DllmLM)
 
+TASKS = Path(__file__).resolve().parent / "lm_eval_tasks"  # the packaged tasks, for --include_path
+
+
+def _from_datasets(error: BaseException) -> bool:
+    """The error came from `datasets` loading a task's data: the Hub unreachable, an unknown dataset, a missing
+    file (all OSErrors)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return isinstance(error, OSError) and any(f"{os.sep}datasets{os.sep}" in frame.filename for frame in frames)
+
+
 if __name__ == "__main__":
     if register_model is None:
         raise SystemExit("lm-eval is not installed; pip install 'dllm-fast[lm-eval]'")
     from lm_eval.__main__ import cli_evaluate
 
+    warnings.formatwarning = one_line_notice
     try:
         cli_evaluate()
     except DllmError as e:
         print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except OSError as e:
+        if not _from_datasets(e):
+            raise
+        print(f"error: lm-eval could not load a task's dataset ({str(e).strip().splitlines()[0]}); without the Hub, "
+              f"run tasks with local data, e.g. the packaged ones: --include_path {TASKS} --tasks "
+              f"dllm_synthetic,dllm_synthetic_mc --apply_chat_template (HF_DATASETS_OFFLINE=1 skips the download "
+              f"retries)", file=sys.stderr)
         raise SystemExit(2) from None
