@@ -19,6 +19,10 @@ name.
 - loglikelihood_rolling: the ELBO of each `max_length` window of the text with no context (a bound, per window).
 - Under `accelerate launch` each process takes its share of the requests (lm-eval splits them by `rank`).
 - A `device=cuda` (lm-eval's default) without a GPU falls back to the CPU with a one-line notice.
+- `threads=N` sets the CPU thread count (`dllm.load`).
+- Offline: the synthetic suite as lm-eval tasks ships in `lm_eval_tasks/` beside this file (`TASKS`):
+  `--include_path TASKS --tasks dllm_synthetic,dllm_synthetic_mc --apply_chat_template`. A task whose dataset
+  cannot be loaded (the Hub unreachable) stops with one `error:` line instead of lm-eval's traceback.
 """
 from __future__ import annotations
 

@@ -46,9 +46,9 @@ def _prepare(model: DiffusionLM, tokenizer, prompts, sampler, cache, gen_length,
         if not isinstance(flag, bool):
             raise DllmError(f"{name} must be True or False, got {flag!r}")
     ids = encode_prompts(tokenizer, prompts, chat)
-    warn_outside_format(model, tokenizer, ids)
     if isinstance(seed, list) and len(seed) != len(ids):
         raise DllmError(f"seed is a list of {len(seed)} seeds for {len(ids)} prompts; give one per prompt or one int")
+    warn_outside_format(model, tokenizer, ids)
     sampler.prepare(tokenizer)
     return sampler, cache, lengths, ids
 

@@ -108,4 +108,4 @@ def warn_outside_format(model, tokenizer, prompts: list[list[int]]) -> None:
         which = outside[0] if len(prompts) == 1 else f"{len(outside)} of {len(prompts)} prompts (first: {outside[0]})"
         warnings.warn(f"{which} {'is' if len(outside) == 1 else 'are'} outside the prompts this model was trained "
                       f"on ({model.generation_defaults.get('trained_on', 'see its generation_config.json')}); expect "
-                      f"wrong answers", DllmNotice, stacklevel=3)
+                      f"wrong answers", DllmNotice, stacklevel=4)  # the caller of generate or stream

@@ -89,7 +89,6 @@ class RequestReader:
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
             raise DllmError(f"stop must be a string or a list of non-empty strings, got {body.get('stop')!r}")
         ids = self._prompt_ids(body, chat)
-        warn_outside_format(self.model, self.tokenizer, [ids])  # in the server's log
         params = {k: v for k, v in body.items() if k not in OPENAI_FIELDS and k not in LAYOUT_FIELDS
                   and k not in ("sampler", "cache", "sampler_args", "cache_args")}
         if body.get("temperature") is not None:
@@ -114,6 +113,7 @@ class RequestReader:
         Canvas.check(self.model, [ids], lengths["gen_length"])  # prompt too long etc.
         check_policies(self.model, sampler, cache, self.compile)
         sampler.check_gen_length(lengths["gen_length"])
+        warn_outside_format(self.model, self.tokenizer, [ids])  # in the server's log
         sampler_key = (sampler.name, json.dumps(sampler.config(), sort_keys=True, default=str))
         sampler = self._prepared(sampler_key, sampler)
         block, gen = lengths["block_length"], lengths["gen_length"]
