@@ -84,7 +84,7 @@ def test_the_command_line_prints_one_note_line(capsys):
     assert len(err) == 2 and err[1].startswith("[")  # the statistics line
     assert len(stderr("copy: abcd")) == 1
     assert main(["list", "models"]) == 0
-    assert "tiny-llada: trained on copy: 4-12 of a-z0-9; " in capsys.readouterr().out
+    assert "tiny-llada (llada): trained on copy: 4-12 of a-z0-9; " in capsys.readouterr().out
 
 
 def test_a_bad_format_in_generation_config_is_one_line(tmp_path):
