@@ -11,9 +11,9 @@ The names below are imported on first use, so `import dllm.core.params` does not
 """
 import importlib
 
-_EXPORTS = {"DllmError": "core.errors", "Generation": "engine", "Stats": "engine", "decode": "engine",
-            "generate": "engine", "stream": "engine", "available_models": "models.loading", "load": "models.loading",
-            "save_pretrained": "models.loading"}
+_EXPORTS = {"DllmError": "core.errors", "DllmNotice": "core.errors", "Generation": "engine", "Stats": "engine",
+            "decode": "engine", "generate": "engine", "stream": "engine", "available_models": "models.loading",
+            "load": "models.loading", "save_pretrained": "models.loading"}
 
 __all__ = sorted(_EXPORTS)
 

@@ -6,6 +6,7 @@ import json
 import os
 import shlex
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ from dllm import cache as caches
 from dllm import samplers as samplers_mod
 
 from .core.checks import check_seed
-from .core.errors import DllmError
+from .core.errors import DllmError, one_line_notice
 from .engine.options import decoding_lengths, default_cache
 from .engine.text import check_plain_text
 
@@ -44,6 +45,9 @@ def _add_decoding_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=None, help="total steps (default: gen-length)")
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (default: DLLM_THREADS, else OMP_NUM_THREADS, else 1 for a model under 10M "
+                        "parameters and the physical cores for a larger one)")
     p.add_argument("--compile", action="store_true",
                    help="run the model under torch.compile (caches none, prefix, dual, block; compiling takes a while)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
@@ -117,7 +121,7 @@ def _generate(args) -> int:
     if args.trace is not None:
         _check_writable_file(args.trace, "--trace")
     sampler, cache = _policies(args)
-    model, tok = dllm.load(args.model, device=args.device, dtype=args.dtype)
+    model, tok = dllm.load(args.model, device=args.device, dtype=args.dtype, threads=args.threads)
     lengths = decoding_lengths(model, args.gen_length, args.block_length, args.steps)
     with _progress(args, len(prompts) * lengths["gen_length"], "generate") as bar:
         out = dllm.generate(model, tok, prompts, sampler=sampler, cache=cache, **lengths, seed=args.seed,
@@ -128,12 +132,13 @@ def _generate(args) -> int:
     stats = out.stats.as_dict()
     if args.json:
         print(json.dumps({"outputs": [{"text": t, "token_ids": ids} for t, ids in zip(out.texts, out.token_ids)],
-                          "stats": stats, "sampler": out.sampler, "cache": out.cache}))
+                          "stats": stats, "sampler": out.sampler, "cache": out.cache, "threads": model.threads}))
     else:
         for text in out.texts:
             print(text)
         print(f"[{stats['nfe']} forwards, {stats['tpf']:.2f} tokens/forward, {stats['gen_tokens']} tokens, "
-              f"{stats['seconds']:.2f} s, {stats['tokens_per_second']:.1f} tokens/s]", file=sys.stderr)
+              f"{stats['seconds']:.2f} s, {stats['tokens_per_second']:.1f} tokens/s, {model.threads['threads']} "
+              f"thread{'s' if model.threads['threads'] > 1 else ''}]", file=sys.stderr)
     return 0
 
 
@@ -147,7 +152,7 @@ def _chat(args) -> int:
         raise DllmError("dllm chat always uses the chat template; drop --no-chat (dllm generate --no-chat sends raw "
                         "text)")
     sampler, cache = _policies(args)
-    model, tok = dllm.load(args.model, device=args.device, dtype=args.dtype)
+    model, tok = dllm.load(args.model, device=args.device, dtype=args.dtype, threads=args.threads)
     if getattr(tok, "chat_template", None) is None:
         raise DllmError(f"{args.model} has no chat template; use `dllm generate --no-chat`")
     lengths = decoding_lengths(model, args.gen_length, args.block_length, args.steps)
@@ -217,7 +222,7 @@ def _run_eval(args) -> int:
         cache_args = _key_values(args.cache_arg, "--cache-arg")
         sampler, cache = _policies(args)
         device = f"cuda:{state.local_process_index}" if args.device == "cuda" else args.device  # one GPU each
-        model, tok = dllm.load(args.model, device=device, dtype=args.dtype)
+        model, tok = dllm.load(args.model, device=device, dtype=args.dtype, threads=args.threads)
         decode_args = dict(**decoding_lengths(model, args.gen_length, args.block_length, args.steps),
                            seed=args.seed, chat=args.chat, model_name=args.model, compile=args.compile,
                            **data_args)
@@ -264,10 +269,11 @@ def _bench(args) -> int:
             raise DllmError(f"{flag} must be at least 1, got {value}")
     check_seed(args.seed)
     sampler, cache = _policies(args)
-    model, tok = dllm.load(args.model, device=args.device, dtype=args.dtype)
+    model, tok = dllm.load(args.model, device=args.device, dtype=args.dtype, threads=args.threads)
     sampler.prepare(tok)  # e.g. AdaBlock's delimiter ids
     cache = caches.CACHES.create(default_cache(model)) if cache is None else cache
     lengths = decoding_lengths(model, args.gen_length, args.block_length, args.steps)
+    sampler.check_gen_length(lengths["gen_length"])
     total = sum(batch_sizes) * (2 + args.repeats) * lengths["gen_length"]  # warm-up, timed runs, forwards timed
     with _progress(args, total, "bench") as bar:
         for batch_size in batch_sizes:  # one load (and one compilation) for every batch size
@@ -293,7 +299,7 @@ def _serve_setup(args):
     if args.max_batch < 1:
         raise DllmError(f"--max-batch must be at least 1, got {args.max_batch}")
     _policies(args)
-    model, tok = dllm.load(args.model, device=args.device, dtype=args.dtype)
+    model, tok = dllm.load(args.model, device=args.device, dtype=args.dtype, threads=args.threads)
     decoding_lengths(model, args.gen_length, args.block_length, args.steps)
     sampler_args = _key_values(args.sampler_arg, "--sampler-arg")
     if args.temperature is not None:
@@ -354,8 +360,8 @@ def _bench_serve(args) -> int:
 
 def _list(args) -> int:
     if args.what == "models":
-        from .models.loading import model_families
-        entries = [{"name": name, "family": family} for name, family in model_families().items()]
+        from .models.loading import describe_models
+        entries = describe_models()
     else:
         registry = samplers_mod.SAMPLERS if args.what == "samplers" else caches.CACHES
         entries = [cls.describe() for cls in registry]
@@ -444,6 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    warnings.formatwarning = one_line_notice
     args = build_parser().parse_args(argv)
     try:
         code = args.run(args)

@@ -65,6 +65,7 @@ def evaluate(model, tokenizer, task: str, sampler: str | Any = "low_confidence",
         check_seed(seed)
         chat = getattr(tokenizer, "chat_template", None) is not None if chat is None else chat
         gen_length, block_length, steps = decoding_lengths(model, gen_length, block_length, steps).values()
+        sampler.check_gen_length(gen_length)
         _check_context(model, tokenizer, items, chat, gen_length, shots)
         config.update(model=model_name, sampler=sampler.config(), cache=cache.config(), gen_length=gen_length,
                       block_length=block_length, steps=steps, seed=seed, chat=chat, dtype=str(model.dtype),
@@ -238,6 +239,7 @@ def _environment(model, processes: int) -> dict[str, Any]:
     cuda = model is not None and model.device.type == "cuda"
     return {"python": platform.python_version(), "packages": versions, "machine": platform.machine(),
             "processor": platform.processor(), "cpu_count": os.cpu_count(), "cpu_threads": torch.get_num_threads(),
+            "cpu_threads_chosen_by": getattr(model, "threads", {}).get("chosen_by"),
             "device": str(model.device) if model is not None else None,
             "gpu": torch.cuda.get_device_name(model.device) if cuda else None, "processes": processes}
 

@@ -19,15 +19,23 @@ name.
 - loglikelihood_rolling: the ELBO of each `max_length` window of the text with no context (a bound, per window).
 - Under `accelerate launch` each process takes its share of the requests (lm-eval splits them by `rank`).
 - A `device=cuda` (lm-eval's default) without a GPU falls back to the CPU with a one-line notice.
+- `threads=N` sets the CPU thread count (`dllm.load`).
+- Offline: the synthetic suite as lm-eval tasks ships in `lm_eval_tasks/` beside this file (`TASKS`):
+  `--include_path TASKS --tasks dllm_synthetic,dllm_synthetic_mc --apply_chat_template`. A task whose dataset
+  cannot be loaded (the Hub unreachable) stops with one `error:` line instead of lm-eval's traceback.
 """
 from __future__ import annotations
 
+import os
 import sys
+import traceback
+import warnings
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from dllm.core.errors import DllmError
+from dllm.core.errors import DllmError, one_line_notice
 
 try:
     from lm_eval.api.model import LM
@@ -67,7 +75,8 @@ class DllmLM(LM):
                  gen_length: int | None = None, block_length: int | None = None, steps: int | None = None,
                  seed: int = 0, device: str | None = None, dtype: str | None = None, batch_size: int | str = 1,
                  max_batch_size: int | None = None, mc_num: int = 128, mc_batch_size: int = 32, cfg: float = 0.0,
-                 greedy_check: bool = True, **params) -> None:  # lm-eval passes max_batch_size
+                 greedy_check: bool = True, threads: int | str | None = None,
+                 **params) -> None:  # lm-eval passes max_batch_size
         super().__init__()
         from accelerate import PartialState
 
@@ -86,7 +95,8 @@ class DllmLM(LM):
         self._rank, self._world_size = state.process_index, state.num_processes
         if device == "cuda" and self._world_size > 1:
             device = f"cuda:{state.local_process_index}"
-        self.model, self.tokenizer = dllm.load(model, device=device, dtype=dtype)
+        self.model, self.tokenizer = dllm.load(model, device=device, dtype=dtype,
+                                               threads=None if threads is None else _number("threads", threads, int))
         self._device = self.model.device
         if self._world_size > 1:
             from accelerate import Accelerator
@@ -222,13 +232,32 @@ class DllmLM(LM):
 if register_model is not None:
     register_model("dllm")(DllmLM)
 
+TASKS = Path(__file__).resolve().parent / "lm_eval_tasks"  # the packaged tasks, for --include_path
+
+
+def _from_datasets(error: BaseException) -> bool:
+    """The error came from `datasets` loading a task's data: the Hub unreachable, an unknown dataset, a missing
+    file (all OSErrors)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return isinstance(error, OSError) and any(f"{os.sep}datasets{os.sep}" in frame.filename for frame in frames)
+
+
 if __name__ == "__main__":
     if register_model is None:
         raise SystemExit("lm-eval is not installed; pip install 'dllm-fast[lm-eval]'")
     from lm_eval.__main__ import cli_evaluate
 
+    warnings.formatwarning = one_line_notice
     try:
         cli_evaluate()
     except DllmError as e:
         print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except OSError as e:
+        if not _from_datasets(e):
+            raise
+        print(f"error: lm-eval could not load a task's dataset ({str(e).strip().splitlines()[0]}); without the Hub, "
+              f"run tasks with local data, e.g. the packaged ones: --include_path {TASKS} --tasks "
+              f"dllm_synthetic,dllm_synthetic_mc --apply_chat_template (HF_DATASETS_OFFLINE=1 skips the download "
+              f"retries)", file=sys.stderr)
         raise SystemExit(2) from None

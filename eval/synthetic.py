@@ -131,6 +131,32 @@ def _add(rng: random.Random) -> Example:
     return Example("add", prompt, _final(" ".join(add_steps(a, b)), str(a + b)))
 
 
+#: The prompts each family draws (regular expressions), and the same in words. A model trained on them carries
+#: them in its generation_config.json (`training_format`), so that a prompt outside them gets a notice.
+PROMPT_FORMATS: dict[str, str] = {
+    "copy": r"copy: [a-z0-9]{4,12}",
+    "reverse": r"reverse: [a-z0-9]{4,12}",
+    "sort": r"sort: [0-9]{2}(,[0-9]{2}){3,7}",
+    "count": r"count digits: (?!([a-z]*[0-9]){10})[a-z0-9]{4,12}",
+    "add": r"add: (?!000)[0-9]{4}\+(?!000)[0-9]{4}",
+}
+FORMAT_WORDS: dict[str, str] = {
+    "copy": "copy: 4-12 of a-z0-9",
+    "reverse": "reverse: 4-12 of a-z0-9",
+    "sort": "sort: 4-8 numbers of two digits each (42,07,19,03)",
+    "count": "count digits: 4-12 of a-z0-9, at most 9 digits",
+    "add": "add: two numbers of 2-4 digits, each zero-padded to 4 (0457+0068)",
+}
+
+
+def training_format(families: Sequence[str] = FAMILIES) -> dict[str, list[str] | str]:
+    """`prompt_formats` and `trained_on` for the generation_config.json of a model trained on `families`, each
+    prompt alone in a user turn of the chat template."""
+    _check_families(families)
+    return {"prompt_formats": [PROMPT_FORMATS[f] for f in families],
+            "trained_on": "; ".join(FORMAT_WORDS[f] for f in families) + "; one user turn of the chat template"}
+
+
 _MAKERS: dict[str, Callable[[random.Random], Example]] = {
     "copy": _copy,
     "reverse": _reverse,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
+from dllm.core.checks import choose_from
 from dllm.core.errors import DllmError
 
 from . import math_answers, sandbox, sources, synthetic
@@ -220,5 +221,5 @@ TASKS: dict[str, Task] = {
 
 def get_task(name: str) -> Task:
     if name not in TASKS:
-        raise DllmError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
+        raise DllmError(f"unknown task {name!r}; {choose_from(name, list(TASKS))}")
     return TASKS[name]

@@ -78,6 +78,10 @@ class Sampler(Params):
     def prepare(self, tokenizer) -> None:
         """Hook, called by `dllm.generate` before decoding: read what the sampler needs from the tokenizer."""
 
+    def check_gen_length(self, gen_length: int) -> None:
+        """Hook, called before decoding: refuse (one-line `DllmError`) an answer of `gen_length` tokens that this
+        sampler's parameters do not fit."""
+
     def logit_window(self, prompt_length: int, length: int, start: int, end: int, step: int) -> tuple[int, int]:
         """Hook: canvas range `[lo, hi)` whose logits this step needs (default: the block). The loop widens
         the computed rows to cover it, and counts them (dkv, dkv_greedy and elastic compute only the rows of

@@ -109,6 +109,12 @@ class Prophet(Sampler):
     def reads_decoded_logits(self) -> bool:  # the gap averages the whole region, decoded or not
         return self.answer_start is not None
 
+    def check_gen_length(self, gen_length: int) -> None:
+        if self.answer_start is not None and self.answer_start >= gen_length:
+            raise DllmError(f"sampler 'prophet' parameter answer_start={self.answer_start} is past the answer "
+                            f"({gen_length} tokens, gen_length), so it would never exit early; give an offset below "
+                            f"{gen_length} (where the prompt format puts the answer) or a longer --gen-length")
+
     def logit_window(self, prompt_length, length, start, end, step):
         return (start, end) if self.answer_start is None else (prompt_length, length)
 

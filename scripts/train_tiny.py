@@ -37,7 +37,7 @@ from tqdm import tqdm
 from dllm import cache as caches
 from dllm import samplers as samplers_mod
 from dllm.engine import decode, generate
-from dllm.eval.synthetic import CHARSET, FAMILIES, make_split, score
+from dllm.eval.synthetic import CHARSET, FAMILIES, make_split, score, training_format
 from dllm.models import ModelConfig
 from dllm.models.loading import build_model, init_random, save_pretrained
 from dllm.models.tokenizer import build_tokenizer
@@ -363,7 +363,8 @@ def main(argv: list[str] | None = None) -> None:
                 acc = evaluate(model, tok, held_out, args.answer_length, block_length, "low_confidence_dynamic")
                 tqdm.write("  low_confidence_dynamic: " + " ".join(f"{k} {v:.2f}" for k, v in acc.items()))
     model.eval()
-    model.generation_defaults = {"multi_turn": False}  # trained on single turns: `dllm chat` starts each afresh
+    # trained on single turns (`dllm chat` starts each afresh) of these prompts (others get a notice)
+    model.generation_defaults = {"multi_turn": False, **training_format([f for f in FAMILIES if mix.get(f, 0) > 0])}
     save_pretrained(model, tok, out)
     print(f"saved {out} after {(time.time() - began) / 60:.1f} min")
 

@@ -25,7 +25,7 @@ def one_line_error(fn, match):
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(sampler="nope"), "unknown sampler 'nope'; choose one of"),
-    (dict(cache="nope"), "unknown cache 'nope'; choose one of"),
+    (dict(cache="xyz"), "unknown cache 'xyz'; choose one of"),
     (dict(sampler="low_confidence", threshold=0.9), "unknown parameter 'threshold'.*sampler takes temperature"),
     (dict(sampler="threshold", threshold=-0.5), "threshold=-0.5 is out of range; it must be >= 0.0"),
     (dict(temperature="hot"), "temperature must be float"),
@@ -46,7 +46,8 @@ def test_empty_prompt(tiny):
 
 def test_unknown_models(tmp_path):
     one_line_error(lambda: dllm.load("no-such-model"), "unknown model 'no-such-model'")
-    one_line_error(lambda: dllm.load("random:gpt-9"), "unknown random model 'gpt-9'")
+    one_line_error(lambda: dllm.load("random:gpt-9"),
+                   "unknown random model 'random:gpt-9'; choose one of random:llada-8b")
     one_line_error(lambda: dllm.load(str(tmp_path)), "has no config.json")
 
 

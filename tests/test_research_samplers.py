@@ -40,6 +40,17 @@ def test_prophet_that_never_fires_is_its_base(model, base, args, never):
     assert same(run(model, "prophet", base=base, **args, **never), run(model, base, **args))
 
 
+def test_prophet_refuses_an_answer_region_past_the_answer(model):
+    """`decode` (the loop) reads a region past the answer as never firing; the calls refuse it before any work."""
+    tok = dllm.load("tiny-llada")[1]
+    with pytest.raises(DllmError, match=r"^sampler 'prophet' parameter answer_start=32 is past the answer \(32 tokens"):
+        dllm.generate(model, tok, ["copy: abcd"], "prophet", answer_start=32, gen_length=32, chat=False)
+    with pytest.raises(DllmError, match="answer_start=40 is past"):
+        dllm.stream(model, tok, "copy: abcd", "prophet", answer_start=40, gen_length=32, chat=False)
+    out = dllm.generate(model, tok, ["copy: abcd"], "prophet", answer_start=31, gen_length=32, chat=False)
+    assert len(out.token_ids) == 1
+
+
 def test_prophet_that_never_fires_draws_as_its_base(model):
     """At T > 0 the base step draws over its block only, as without Prophet (spec 1.7: bit-identical)."""
     never = dict(answer_start=0, early_threshold=1e9, mid_threshold=1e9, late_threshold=1e9)

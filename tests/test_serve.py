@@ -46,6 +46,16 @@ def text_of(answer):
     return choice["message"]["content"] if "message" in choice else choice["text"]
 
 
+def test_bench_serve_compares_every_served_answer_with_its_sequential_one(tiny):
+    """`dllm bench-serve` (README) runs: its own server, the same prompts decoded one by one, no mismatch."""
+    from dllm.serve.bench import bench_serve
+
+    result = bench_serve(*tiny, "tiny-llada", {**DEFAULTS, "sampler": "threshold", "cache": "dual"}, max_batch=4,
+                         requests=6, concurrency=(3,))
+    assert [(row["concurrency"], row.get("errors", 0), row.get("mismatches", 0)) for row in result["rows"]] == \
+        [("sequential", 0, 0), (3, 0, 0)]
+
+
 def test_load_64_requests_from_16_clients_equal_their_solo_answers(server, tiny):
     """The issue's load test: 64 requests, 16 concurrent clients, --max-batch 8. Throughput is printed (`-s`), not
     asserted: `dllm bench-serve` measures it (BENCHMARKS.md)."""
@@ -88,7 +98,9 @@ def test_mixed_parameters_at_once_each_equal_alone(server, tiny):
 
 
 BAD = [
-    ({"prompt": "copy: ab", "sampler": "thresh"}, "unknown sampler 'thresh'"),
+    ({"prompt": "copy: ab", "sampler": "thresh"}, "unknown sampler 'thresh'; did you mean 'threshold'?"),
+    ({"prompt": "copy: ab", "sampler": "prophet", "answer_start": 40, "gen_length": 32},
+     "answer_start=40 is past the answer"),
     ({"prompt": "copy: ab", "sampler": ["threshold"]}, "unknown sampler ['threshold']"),
     ({"prompt": "copy: ab", "cache": {}}, "unknown cache {}"),
     ({"prompt": "copy: ab", "seed": 2**64}, "seed must be at most 9223372036854775807"),

@@ -10,6 +10,8 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import train_tiny  # noqa: E402
 
+from dllm.eval.synthetic import training_format  # noqa: E402
+
 TINY = ["--d", "16", "--layers", "1", "--heads", "2", "--batch-size", "4", "--train-per-family", "20",
         "--eval-per-family", "1", "--save-every", "1"]
 
@@ -34,7 +36,8 @@ def test_an_interrupted_run_resumes_to_the_same_weights(tmp_path, monkeypatch):
         train(tmp_path, "resumed", 3)
     monkeypatch.setattr(train_tiny, "save_state", save)
     resumed = train(tmp_path, "resumed", 3)  # the same command again picks up at step 2
-    assert json.loads((tmp_path / "straight" / "generation_config.json").read_text()) == {"multi_turn": False}
+    written = json.loads((tmp_path / "straight" / "generation_config.json").read_text())
+    assert written == {"multi_turn": False, **training_format()}  # the default mix draws every family
     assert straight.keys() == resumed.keys()
     assert all(torch.equal(resumed[k], straight[k]) for k in straight)
     other_seed = train(tmp_path, "other", 3, "--seed", "1")

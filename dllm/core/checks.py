@@ -1,7 +1,9 @@
 """Argument checks shared by every layer: each bad value is a one-line `DllmError` naming the argument."""
 from __future__ import annotations
 
+import difflib
 import numbers
+from collections.abc import Sequence
 from typing import Any
 
 from .errors import DllmError
@@ -25,3 +27,13 @@ MAX_SEED = 2**63 - 1  # torch.Generator seeds are 64-bit
 
 def check_seed(seed: Any) -> int:
     return check_int("seed", seed, 0, MAX_SEED)
+
+def choose_from(name: Any, choices: Sequence[str], prefix: str = "") -> str:
+    """What follows "unknown X 'name'; " in an error: the closest choices (difflib's similarity at least 0.6 and
+    near the best one's), else all of them; each written after `prefix` (`random:`)."""
+    scored = sorted(((difflib.SequenceMatcher(None, name, c).ratio(), c) for c in choices), reverse=True) \
+        if isinstance(name, str) and choices else []
+    close = [c for ratio, c in scored if ratio >= max(0.6, scored[0][0] - 0.05)][:3]
+    if close:
+        return f"did you mean {' or '.join(repr(prefix + c) for c in close)}?"
+    return f"choose one of {', '.join(prefix + c for c in choices)}"

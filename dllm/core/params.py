@@ -11,6 +11,7 @@ import types
 import typing
 from typing import Any, ClassVar
 
+from .checks import choose_from
 from .errors import DllmError
 
 
@@ -128,8 +129,8 @@ class Registry:
 
     def get(self, name: str) -> type[Params]:
         if not isinstance(name, str) or name not in self.classes:
-            raise DllmError(f"unknown {self.kind} {name!r}; choose one of {', '.join(self.classes)} "
-                            f"(`dllm list {self.kind}s` shows their parameters)")
+            raise DllmError(f"unknown {self.kind} {name!r}; {choose_from(name, list(self.classes))} "
+                            f"(`dllm list {self.kind}s` shows them all with their parameters)")
         return self.classes[name]
 
     def create(self, name: str | Params, **params: Any) -> Params:

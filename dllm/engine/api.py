@@ -14,7 +14,7 @@ from .checks import check_lengths
 from .loop import Batch, Row, decode
 from .options import decoding_lengths, default_cache, split_params
 from .stats import Stats
-from .text import is_token_id, answer_text, encode_prompts
+from .text import answer_text, encode_prompts, is_token_id, warn_outside_format
 
 if TYPE_CHECKING:
     from ..cache import Cache
@@ -39,6 +39,7 @@ def _prepare(model: DiffusionLM, tokenizer, prompts, sampler, cache, gen_length,
     sampler, cache = split_params(sampler, default_cache(model) if cache is None else cache, params, sampler_args,
                                   cache_args)
     lengths = decoding_lengths(model, gen_length, block_length, steps)
+    sampler.check_gen_length(lengths["gen_length"])
     for row_seed in seed if isinstance(seed, list) else [seed]:
         check_seed(row_seed)
     for name, flag in flags.items():
@@ -47,6 +48,7 @@ def _prepare(model: DiffusionLM, tokenizer, prompts, sampler, cache, gen_length,
     ids = encode_prompts(tokenizer, prompts, chat)
     if isinstance(seed, list) and len(seed) != len(ids):
         raise DllmError(f"seed is a list of {len(seed)} seeds for {len(ids)} prompts; give one per prompt or one int")
+    warn_outside_format(model, tokenizer, ids)
     sampler.prepare(tokenizer)
     return sampler, cache, lengths, ids
 

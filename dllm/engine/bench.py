@@ -71,7 +71,8 @@ def bench(model, sampler, cache, gen_length: int, block_length: int, steps: int 
         "model": described,
         "config": {"sampler": sampler.config(), "cache": cache.config(), "gen_length": gen_length,
                    "block_length": block_length, "steps": steps, "batch_size": batch_size,
-                   "prompt_length": prompt_length, "repeats": repeats, "compile": compile},
+                   "prompt_length": prompt_length, "repeats": repeats, "compile": compile,
+                   "threads": model.threads},
         "seconds": stats.seconds,
         "warm_up_seconds": warm_up.seconds,  # the first run: with --compile, compiling this batch size's shapes
         "nfe": stats.nfe,

@@ -2,9 +2,12 @@
 into a turn) and answer ids back to text."""
 from __future__ import annotations
 
+import re
+import warnings
+
 from torch import Tensor
 
-from ..core.errors import DllmError
+from ..core.errors import DllmError, DllmNotice
 
 
 def encode_prompts(tokenizer, prompts, chat: bool | None) -> list[list[int]]:
@@ -80,3 +83,29 @@ def encode_text(tokenizer, text: str, what: str) -> list[int]:
 def answer_text(tokenizer, ids: list[int]) -> str:
     """The text of answer token ids (ids past the tokenizer's vocabulary, a padded embedding's, are dropped)."""
     return tokenizer.decode([t for t in ids if t < len(tokenizer)], skip_special_tokens=True)
+
+def warn_outside_format(model, tokenizer, prompts: list[list[int]]) -> None:
+    """A one-line `DllmNotice` (not an error) when prompts fall outside the formats the model was trained on
+    (`prompt_formats` of its generation_config.json, each alone in a chat turn: the shipped tiny models), where
+    its answers are likely wrong."""
+    formats = model.generation_defaults.get("prompt_formats")
+    if not formats:
+        return
+    turn = "\0"
+    if getattr(tokenizer, "chat_template", None) is not None:
+        turn = tokenizer.apply_chat_template([{"role": "user", "content": turn}], add_generation_prompt=True,
+                                             tokenize=False)
+    head, _, tail = turn.partition("\0")
+    outside = []
+    for ids in prompts:
+        text = tokenizer.decode(ids)
+        inner = text[len(head):len(text) - len(tail)]
+        if not (text.startswith(head) and text.endswith(tail) and len(text) >= len(head) + len(tail)):
+            outside.append(f"{text[:60]!r} (not in the chat template)")
+        elif not any(re.fullmatch(f, inner) for f in formats):
+            outside.append(repr(inner[:60]))
+    if outside:
+        which = outside[0] if len(prompts) == 1 else f"{len(outside)} of {len(prompts)} prompts (first: {outside[0]})"
+        warnings.warn(f"{which} {'is' if len(outside) == 1 else 'are'} outside the prompts this model was trained "
+                      f"on ({model.generation_defaults.get('trained_on', 'see its generation_config.json')}); expect "
+                      f"wrong answers", DllmNotice, stacklevel=4)  # the caller of generate or stream

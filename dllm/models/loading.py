@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..core.checks import choose_from
 from ..core.errors import DllmError
 from . import ARCHITECTURES_BY_NAME, PRESETS, DiffusionLM, ModelConfig, architecture_of
+from .threads import requested_threads, set_threads
 from .transformer import shard_rows
 
 SHIPPED_DIR = Path(__file__).parent / "checkpoints"
@@ -35,16 +38,35 @@ def model_families() -> dict[str, str]:
     return {**shipped, **{f"random:{name}": cfg.arch for name, cfg in PRESETS.items()}}
 
 
+def describe_models() -> list[dict[str, str]]:
+    """`dllm list models`: each name and architecture, with what a shipped model was trained on."""
+    out = [{"name": name, "family": family} for name, family in model_families().items()]
+    for entry in out:
+        if entry["name"] in shipped_models():
+            path = SHIPPED_DIR / entry["name"]
+            trained_on = generation_defaults(read_json(path / "generation_config.json", "fix it"), path).get(
+                "trained_on")
+            entry.update({"doc": f"trained on {trained_on}"} if trained_on else {})
+    return out
+
+
 def load(name_or_path: str, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
-         seed: int = 0):
+         seed: int = 0, threads: int | None = None):
     """Return `(model, tokenizer)` for a shipped name (`tiny-llada`), `random:<preset>`, or a local directory.
 
-    dtype defaults to the checkpoint's own float type on GPU and float32 on CPU."""
+    dtype defaults to the checkpoint's own float type on GPU and float32 on CPU. `threads` sets torch's CPU
+    thread count for the process (default: DLLM_THREADS, else OMP_NUM_THREADS, else one thread for a model under
+    10M parameters and the physical cores for a larger one; `model.threads` says which)."""
     if not isinstance(name_or_path, (str, Path)) or not str(name_or_path):
         raise DllmError(f"model must be a name or a directory, got {name_or_path!r}; e.g. load(\"tiny-llada\")")
-    name_or_path = str(name_or_path)
-    device = parse_device(device)
-    dtype = parse_dtype(dtype) if dtype is not None else None
+    requested = requested_threads(threads)
+    model, tokenizer = _load(str(name_or_path), parse_device(device),
+                             parse_dtype(dtype) if dtype is not None else None, seed)
+    model.threads = set_threads(model, requested)
+    return model, tokenizer
+
+
+def _load(name_or_path: str, device: torch.device, dtype: torch.dtype | None, seed: int):
     if name_or_path.startswith("random:"):
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
             raise DllmError(f"seed (of the random weights) must be an integer in 0..2^63-1, got {seed!r}")
@@ -54,9 +76,12 @@ def load(name_or_path: str, device: str | torch.device = "cpu", dtype: torch.dty
     path = Path(name_or_path).expanduser()
     if path.is_file():
         raise DllmError(f"{name_or_path} is a file; give the checkpoint directory that holds it ({path.parent})")
+    if not path.is_dir() and ("/" in name_or_path or name_or_path.startswith((".", "~"))):
+        raise DllmError(f"no such directory {name_or_path}; give a local checkpoint directory (nothing is "
+                        f"downloaded) or a model name from `dllm list models`")
     if not path.is_dir():
-        raise DllmError(f"unknown model {name_or_path!r}: give a local checkpoint directory or one of "
-                        f"{', '.join(available_models())}")
+        raise DllmError(f"unknown model {name_or_path!r}; {choose_from(name_or_path, available_models())} "
+                        f"(or give a local checkpoint directory)")
     return load_dir(path, device, dtype)
 
 
@@ -95,8 +120,7 @@ def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 def _load_random(preset: str, device, dtype: torch.dtype, seed: int):
     if preset not in PRESETS:
-        raise DllmError(f"unknown random model {preset!r}; use one of "
-                        f"{', '.join('random:' + p for p in PRESETS)}")
+        raise DllmError(f"unknown random model 'random:{preset}'; {choose_from(preset, list(PRESETS), 'random:')}")
     from .tokenizer import build_char_tokenizer
 
     cfg = PRESETS[preset]
@@ -217,10 +241,11 @@ def generation_stop_ids(hf: dict, path: Path) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def generation_defaults(hf: dict, path: Path) -> dict[str, int | bool]:
+def generation_defaults(hf: dict, path: Path) -> dict[str, int | bool | str | list[str]]:
     """The decoding defaults a checkpoint directory carries in `generation_config.json` (read as `hf`; they win
-    over ours), and `multi_turn` (ours; false for a model trained on single turns: `dllm chat` then starts every
-    turn afresh)."""
+    over ours), and ours: `multi_turn` (false for a model trained on single turns: `dllm chat` then starts every
+    turn afresh), `prompt_formats` (regular expressions of the prompts it was trained on: others get a notice)
+    and `trained_on` (the same in words)."""
     file = path / "generation_config.json"
     out = {ours: hf[key] for key, ours in GENERATION_KEYS.items() if hf.get(key) is not None}
     if "gen_length" not in out:  # steps only mean something with the length they were chosen for
@@ -232,7 +257,20 @@ def generation_defaults(hf: dict, path: Path) -> dict[str, int | bool]:
         if not isinstance(hf["multi_turn"], bool):
             raise DllmError(f"{file}: multi_turn must be true or false, got {hf['multi_turn']!r}; fix or delete it")
         out["multi_turn"] = hf["multi_turn"]
+    for name, kind, ok in (("trained_on", "a string", lambda v: isinstance(v, str)),
+                           ("prompt_formats", "a list of regular expressions", _regexes)):
+        if name in hf and not ok(hf[name]):
+            raise DllmError(f"{file}: {name} must be {kind}, got {hf[name]!r}; fix or delete it")
+        if name in hf:
+            out[name] = hf[name]
     return out
+
+
+def _regexes(value) -> bool:
+    try:
+        return isinstance(value, list) and all(isinstance(v, str) and re.compile(v) for v in value)
+    except re.error:
+        return False
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")  # any one of them

@@ -11,7 +11,7 @@ values of every other row (`KVAccess`), and projects the head only on the rows w
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -348,7 +348,8 @@ class Network(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.generation_defaults: dict[str, int | bool] = {}  # from generation_config.json (dllm.loading)
+        self.generation_defaults: dict[str, Any] = {}  # from generation_config.json (dllm.loading)
+        self.threads: dict[str, int | str] = {}  # the CPU thread count `dllm.load` set, and why (models.threads)
 
     def init_buffers(self) -> None:
         """Ties and computed buffers, again after `to_empty` (which leaves them unset); subclasses add theirs."""

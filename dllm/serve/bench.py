@@ -17,8 +17,8 @@ def bench_serve(model, tokenizer, name: str, defaults: dict[str, Any], max_batch
     """Throughput and latency of `requests` chat requests (synthetic tasks) at each client concurrency against a
     loopback server, and of the same prompts decoded one after another with `dllm.generate`; every served answer
     is compared with its sequential one."""
-    from .engine import generate
-    from .eval.synthetic import FAMILIES, make_split
+    from ..engine import generate
+    from ..eval.synthetic import FAMILIES, make_split
 
     prompts = [ex.prompt for ex in make_split("test", -(-requests // len(FAMILIES)), seed=seed)][:requests]
     engine = Engine(model, tokenizer, name, defaults, max_batch, compile)
@@ -52,7 +52,7 @@ def bench_serve(model, tokenizer, name: str, defaults: dict[str, Any], max_batch
                          "mismatches": sum(t is not None and t != w for t, w in zip(texts, want))})
     config = {"model": name, "sampler": job.sampler.name, "cache": job.cache.name, **job.lengths,
               "max_batch": max_batch, "requests": len(prompts), "device": str(model.device),
-              "threads": torch.get_num_threads()}
+              "threads": torch.get_num_threads(), "threads_chosen_by": model.threads.get("chosen_by")}
     return {"config": config, "rows": rows}
 
 

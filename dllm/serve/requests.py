@@ -15,7 +15,7 @@ from ..core.errors import DllmError
 from ..engine.canvas import Canvas
 from ..engine.checks import check_policies
 from ..engine.options import decoding_lengths, lengths_for_answer, split_params
-from ..engine.text import check_plain_text, encode_prompts
+from ..engine.text import check_plain_text, encode_prompts, warn_outside_format
 
 OPENAI_FIELDS = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "seed", "stream",
                  "n", "stop", "user", "stream_options", "ignore_eos",  # ignore_eos as vLLM: decode every block
@@ -112,6 +112,8 @@ class RequestReader:
         seed = check_seed(body.get("seed", d["seed"]))
         Canvas.check(self.model, [ids], lengths["gen_length"])  # prompt too long etc.
         check_policies(self.model, sampler, cache, self.compile)
+        sampler.check_gen_length(lengths["gen_length"])
+        warn_outside_format(self.model, self.tokenizer, [ids])  # in the server's log
         sampler_key = (sampler.name, json.dumps(sampler.config(), sort_keys=True, default=str))
         sampler = self._prepared(sampler_key, sampler)
         block, gen = lengths["block_length"], lengths["gen_length"]
