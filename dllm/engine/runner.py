@@ -93,12 +93,13 @@ class Runner:
 
     def _slots(self, rows: Rows, lo: int, hi: int, batch: int) -> Tensor:
         """`[batch, hi - lo]`: where canvas rows `[lo, hi)` sit among the computed `rows` (-1: not computed). A
-        slice's are the same at every step of a block, so they are made once per window."""
+        slice's are the same at every step of a block, so they are made once per window (clamped at 0, as every
+        slot the model reads: a shifted model's window may start one row before the slice)."""
         if not rows.is_slice:
             return caches.row_slots(rows, lo, hi, self.canvas.tokens.shape[1], self.model.device).expand(batch, -1)
         key = (lo - (rows.index.start or 0), hi - (rows.index.start or 0), batch)
         if key not in self.slice_slots:
-            self.slice_slots[key] = caches.row_slots(rows, lo, hi, 0, self.model.device).expand(batch, -1)
+            self.slice_slots[key] = caches.row_slots(rows, lo, hi, 0, self.model.device).clamp(min=0).expand(batch, -1)
         return self.slice_slots[key]
 
     def verify(self, drafts: Tensor, lo: int, hi: int, rows: Rows) -> Tensor:
