@@ -14,7 +14,9 @@ from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, 
 import dllm
 from dllm.cli import main
 from dllm.core.errors import DllmError
+from dllm.cache import CACHES
 from dllm.engine.canvas import Canvas
+from dllm.engine.loop import decode
 from dllm.models import PRESETS, diffusion_gemma
 from dllm.models.gemma import DiffusionGemma
 from dllm.models.loading import build_model, checkpoint_state, save_pretrained
@@ -46,8 +48,10 @@ class Columns:
     def run(self, ids, start, decoder, self_conditioning=None):
         """Logits of `ids` at columns `[start, start + len)` in one mode, their K/V written."""
         cols = slice(start, start + ids.shape[1])
-        masks = self.model.visible_keys(self.positions[:, cols], self.positions, self.real, decoder)
-        return self.model.run(ids, self.positions[:, cols], masks, self, dllm.models.Rows(cols), decoder=decoder,
+        positions = self.positions[:, cols]
+        window = (positions[:, 0], positions[:, -1] + 1) if decoder else None
+        masks = self.model.visible_keys(positions, self.positions, self.real, window)
+        return self.model.run(ids, positions, masks, self, dllm.models.Rows(cols),
                               self_conditioning=self_conditioning)
 
 
@@ -195,19 +199,20 @@ def test_generation_is_refused_by_name():
         dllm.generate(model, tok, ["hi"], gen_length=16)
 
 
-def _generate_one(model, prompt, canvases, rule, seed, stop_ids):
+def _generate_one(model, prompt, canvases, steps, rule, seed, stop_ids):
     """Our network and `entropy_bound_step` composed as transformers' `generate` runs one row: encode the prompt,
     denoise each canvas from random tokens (self-conditioned on the previous step), commit its argmax, encode
     it; stop after a canvas holding a stop id (what follows it in the canvas becomes pad)."""
     g, size, vocab = torch.Generator().manual_seed(seed), model.config.canvas_length, model.config.vocab_size
-    columns, tokens = Columns(model, torch.ones(1, len(prompt) + canvases * size, dtype=torch.bool)), [prompt]
+    columns, tokens = Columns(model, torch.ones(1, len(prompt) + canvases * size, dtype=torch.bool)), [list(prompt)]
     columns.run(torch.tensor(tokens), 0, False)
     for _ in range(canvases):
         start, sc = len(tokens[0]), None
-        canvas = random_canvas((1, size), vocab, [g], "cpu")
+        canvas = random_canvas((1, size), vocab, [g])
         history = new_history(rule.stability, canvas)
-        for steps_left in range(rule.steps, 0, -1):
-            out = entropy_bound_step(columns.run(canvas, start, True, sc), canvas, history, steps_left, rule, [g])
+        for steps_left in range(steps, 0, -1):
+            out = entropy_bound_step(columns.run(canvas, start, True, sc), canvas, history, steps_left, steps, rule,
+                                     [g])
             canvas, history, sc = out.canvas, out.history, out.scaled
             if out.stop.all():
                 break
@@ -220,32 +225,44 @@ def _generate_one(model, prompt, canvases, rule, seed, stop_ids):
     return torch.tensor(tokens)
 
 
+def _through_the_end_of_answer(ids, stop_ids):
+    """The answer up to its first stop id, included (transformers pads what follows it; we write the filler)."""
+    return ids[:next((i + 1 for i, t in enumerate(ids) if t in stop_ids), len(ids))]
+
+
 @pytest.mark.parametrize(("stability", "confidence", "stop_ids"), [
     (1, 0.005, (1,)),  # three canvases of 12 steps each
     (0, 5.0, (1,)),  # the first canvas stops at its first step (mean entropy below ln 128 < 5) and holds a 1
     (1, 0.005, (7,)),  # the third canvas holds a 7: pad after it
 ])
 def test_generation_replays_transformers_draws(pair, stability, confidence, stop_ids):
-    """One row, the same seed: our pieces generate transformers' tokens exactly (its `generate` draws the
-    batch's random numbers from one stream, so only a single row can replay them). Self-conditioning's output
-    weights at transformers' initial scale (std 0.02): at the fixture's 0.1 it amplifies a logit difference 3-5x
-    per step, so float32 rounding differences (2e-6 at a canvas's first step) reach 0.3 by the twelfth and flip a
-    committed argmax; at 0.02 they stay below 2e-5."""
+    """One row, the same seed: our pieces, and the decode loop with the entropy_bound sampler (the block cache
+    encoding each committed canvas in the next one's first forward, and no cache), generate transformers' tokens
+    exactly (its `generate` draws the batch's random numbers from one stream, so only a single row can replay
+    them). Self-conditioning's output weights at transformers' initial scale (std 0.02): at the fixture's 0.1 it
+    amplifies a logit difference 3-5x per step, so float32 rounding differences (2e-6 at a canvas's first step)
+    reach 0.3 by the twelfth and flip a committed argmax; at 0.02 they stay below 2e-5."""
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
 
     ref, model = (copy.deepcopy(m) for m in pair[:2])
+    model.config = dataclasses.replace(model.config, stop_ids=stop_ids)
     with torch.no_grad():
         ref.model.decoder.self_conditioning.down_proj.weight.mul_(0.2)
         model.self_conditioning.mlp.down_proj.weight.mul_(0.2)
-    rule = EntropyBound(steps=12, stability=stability, confidence=confidence)
+    steps, rule = 12, EntropyBound(stability=stability, confidence=confidence)
     torch.manual_seed(4)
-    want = ref.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=48, max_denoising_steps=rule.steps,
+    want = ref.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=48, max_denoising_steps=steps,
                         t_min=rule.t_min, t_max=rule.t_max, stability_threshold=rule.stability,
                         confidence_threshold=rule.confidence, sampler_config=EntropyBoundSamplerConfig(rule.bound),
                         eos_token_id=list(stop_ids), pad_token_id=model.config.pad_id)
     with torch.no_grad():
-        got = _generate_one(model, PROMPTS[0], 3, rule, 4, stop_ids)
+        got = _generate_one(model, PROMPTS[0], 3, steps, rule, 4, stop_ids)
     assert torch.equal(got, want.sequences)
+    answer = _through_the_end_of_answer(want.sequences[0, len(PROMPTS[0]):].tolist(), stop_ids)
+    for cache in ("block", "none"):
+        canvas, stats, _ = decode(model, [PROMPTS[0]], rule, CACHES.create(cache), 48, 16, 3 * steps, seed=4)
+        assert _through_the_end_of_answer(canvas.tokens[0, len(PROMPTS[0]):].tolist(), stop_ids) == answer, cache
+        assert stats.gen_tokens == 16 * -(-len(answer) // 16)  # whole canvases committed
 
 
 def test_an_image_is_refused_by_name():
