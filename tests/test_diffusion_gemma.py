@@ -6,17 +6,20 @@ with the entropy-bound rule, it generates transformers' very tokens from the sam
 import copy
 import dataclasses
 import json
+import shutil
 
 import pytest
 import torch
 from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, DynamicCache
 
 import dllm
+from dllm import samplers
 from dllm.cli import main
 from dllm.core.errors import DllmError
 from dllm.cache import CACHES
 from dllm.engine.canvas import Canvas
 from dllm.engine.loop import decode
+from dllm.engine.options import decoding_lengths
 from dllm.models import PRESETS, diffusion_gemma
 from dllm.models.gemma import DiffusionGemma
 from dllm.models.loading import build_model, checkpoint_state, save_pretrained
@@ -193,10 +196,99 @@ def test_listed_with_its_family(capsys):
     assert listed["tiny-llada"] == "llada"
 
 
-def test_generation_is_refused_by_name():
+@pytest.fixture(scope="module")
+def quiet(pair):
+    """Ours of `pair` with self-conditioning's output weights at transformers' initial scale (see the replay test):
+    float32 rounding differences between batch layouts stay far below what flips a sample."""
+    model = copy.deepcopy(pair[1])
+    with torch.no_grad():
+        model.self_conditioning.mlp.down_proj.weight.mul_(0.2)
+    return model
+
+
+def test_a_padded_row_and_every_exact_cache_give_the_tokens_alone(quiet):
+    """Rows of different lengths decoded together (left-padded, each from its seed) give their tokens decoded
+    alone, with every cache DiffusionGemma takes (block: each committed canvas encoded in the next one's first
+    forward; none, prefix, dual: everything or the canvas recomputed), and the block cache computes fewest rows."""
+    rule, seeds = EntropyBound(), [3, 8]
+    alone = [decode(quiet, [p], rule, CACHES.create("none"), 48, 16, 36, seed=s)[0] for p, s in zip(PROMPTS, seeds)]
+    rows = {}
+    for cache in ("block", "none", "prefix", "dual"):
+        canvas, stats, _ = decode(quiet, PROMPTS, rule, CACHES.create(cache), 48, 16, 36, seed=seeds)
+        for b, one in enumerate(alone):
+            assert torch.equal(canvas.tokens[b, canvas.prompt_length:], one.tokens[0, one.prompt_length:]), cache
+        rows[cache] = sum(stats.rows_per_layer)
+    assert rows["block"] < rows["dual"] < rows["prefix"] < rows["none"]
+    assert len({tuple(t.tokens[0, t.prompt_length:].tolist()) for t in alone}) == 2
+
+
+def test_the_samplers_and_caches_it_cannot_take_are_refused_by_name(quiet):
+    """Every masked sampler refuses the uniform-state model, entropy_bound refuses a masked one, and the caches
+    that choose rows token by token are refused; each in one line, before any work."""
+    for cls in samplers.SAMPLERS:
+        if cls.name == "entropy_bound":
+            continue
+        with pytest.raises(DllmError, match=f"sampler '{cls.name}' cannot decode diffusion_gemma: .*uniform-state"):
+            decode(quiet, PROMPTS[:1], cls(), CACHES.create("block"), 16, 16)
+    llada = build_model(PRESETS["llada-tiny"], "cpu", torch.float32)
+    with pytest.raises(DllmError, match="sampler 'entropy_bound' cannot decode llada: .*masked model"):
+        decode(llada, PROMPTS[:1], EntropyBound(), CACHES.create("none"), 16, 16)
+    for cache in ("dkv", "dkv_greedy", "elastic"):
+        with pytest.raises(DllmError, match=f"cache '{cache}' (chooses rows .*use cache block \\(exact\\), none, "
+                                            f"prefix or dual|needs a sampler whose next commits are known)"):
+            decode(quiet, PROMPTS[:1], EntropyBound(), CACHES.create(cache), 16, 16)
+    with pytest.raises(DllmError, match="unknown parameter 'temperature' for sampler 'entropy_bound'"):
+        samplers.SAMPLERS.create("entropy_bound", temperature=0.5)
+
+
+def test_defaults_come_from_generation_config(pair, tmp_path):
+    """No sampler named: entropy_bound, its parameters from generation_config.json (transformers' keys) under the
+    caller's; a block per canvas and max_denoising_steps steps per block."""
+    _, _, path = pair
+    directory = tmp_path / "dgemma"
+    shutil.copytree(path, directory)
+    (directory / "generation_config.json").write_text(json.dumps({
+        "eos_token_id": [1, 7], "max_new_tokens": 32, "max_denoising_steps": 5, "t_min": 0.3, "t_max": 0.9,
+        "stability_threshold": 2, "confidence_threshold": 0.01,
+        "sampler_config": {"entropy_bound": 0.2, "_cls_name": "EntropyBoundSamplerConfig"}}))
+    model, tok = dllm.load(str(directory))
+    assert decoding_lengths(model) == {"gen_length": 32, "block_length": 16, "steps": 10}
+    out = dllm.generate(model, tok, ["hi"], stability=0, stop_early=False)
+    assert out.sampler == {"name": "entropy_bound", "bound": 0.2, "t_max": 0.9, "t_min": 0.3, "stability": 0,
+                           "confidence": 0.01}
+    assert out.cache["name"] == "block" and out.stats.nfe <= 10
+    assert dllm.generate(model, tok, ["hi"], "entropy_bound", steps=4, stop_early=False).stats.nfe <= 4
+    (directory / "generation_config.json").write_text(json.dumps({"t_min": "cold"}))
+    with pytest.raises(DllmError, match="t_min must be float, got 'cold' \\(from the model's generation_config"):
+        dllm.generate(*dllm.load(str(directory)), ["hi"])
+
+
+def test_the_cli_generates_and_benches(capsys):
+    """`dllm generate` and `dllm bench` on the random preset with the family's defaults (entropy_bound, block
+    cache, 48 steps per canvas); the CLI's tokens are the Python call's."""
+    assert main(["generate", "--model", "random:diffusion-gemma-tiny", "--gen-length", "32", "--json", "hi"]) == 0
+    out = json.loads(capsys.readouterr().out)
     model, tok = dllm.load("random:diffusion-gemma-tiny")
-    with pytest.raises(DllmError, match="uniform-state"):
-        dllm.generate(model, tok, ["hi"], gen_length=16)
+    want = dllm.generate(model, tok, ["hi"], gen_length=32)
+    assert out["sampler"]["name"] == "entropy_bound" and out["cache"]["name"] == "block"
+    assert out["outputs"][0]["token_ids"] == want.token_ids[0] and out["stats"]["nfe"] == want.stats.nfe <= 96
+    assert main(["bench", "--model", "random:diffusion-gemma-tiny", "--gen-length", "16", "--steps", "4",
+                 "--repeats", "1", "--prompt-length", "8", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["nfe"] == 4 and result["config"]["sampler"]["name"] == "entropy_bound"
+    assert model.config.moe.top_k / model.config.moe.n_experts < result["model"]["experts_read"] <= 1
+
+
+def test_bench_counts_the_experts_the_router_input_chose(quiet, monkeypatch):
+    """DiffusionGemma routes on the residual stream, not on the experts' input: the bench's count routes what
+    the layer routed."""
+    from dllm.engine.bench import expert_fraction
+    from dllm.models.moe import MoE
+
+    routed, route = [], MoE.route
+    monkeypatch.setattr(MoE, "route", lambda moe, x: routed.append(x) or route(moe, x))
+    expert_fraction(quiet, PROMPTS[:1], EntropyBound(), CACHES.create("block"), 16, 2, 0)
+    assert len(routed) % 2 == 0 and all(torch.equal(a, b) for a, b in zip(routed[::2], routed[1::2]))
 
 
 def _generate_one(model, prompt, canvases, steps, rule, seed, stop_ids):
