@@ -18,6 +18,7 @@ from dllm.cli import main
 from dllm.core.errors import DllmError
 from dllm.cache import CACHES
 from dllm.engine.canvas import Canvas
+from dllm.engine.likelihood import elbo
 from dllm.engine.loop import decode
 from dllm.engine.options import decoding_lengths
 from dllm.models import PRESETS, diffusion_gemma
@@ -239,6 +240,8 @@ def test_the_samplers_and_caches_it_cannot_take_are_refused_by_name(quiet):
             decode(quiet, PROMPTS[:1], EntropyBound(), CACHES.create(cache), 16, 16)
     with pytest.raises(DllmError, match="unknown parameter 'temperature' for sampler 'entropy_bound'"):
         samplers.SAMPLERS.create("entropy_bound", temperature=0.5)
+    with pytest.raises(DllmError, match="uniform-state .*the likelihood here is a masked diffusion ELBO"):
+        elbo(quiet, PROMPTS[0], [5, 6])
 
 
 def test_defaults_come_from_generation_config(pair, tmp_path):
@@ -361,3 +364,20 @@ def test_an_image_is_refused_by_name():
     model = build_model(dataclasses.replace(PRESETS["diffusion-gemma-tiny"], image_token_id=100), "cpu", torch.float32)
     with pytest.raises(DllmError, match="image token 100.*text only"):
         Canvas.check(model, [[2, 5, 100, 6]], 16)
+
+
+def test_served_with_the_family_defaults():
+    """`dllm serve` takes the family's sampler and cache, keeps 48 steps per canvas for a shorter answer
+    (max_tokens), and answers as `dllm.generate` does alone."""
+    pytest.importorskip("fastapi")
+    from dllm.cli import _serve_setup, build_parser
+    from dllm.serve import Engine, LocalServer, post
+
+    model, tok, defaults = _serve_setup(build_parser().parse_args(["serve", "--model", "random:diffusion-gemma-tiny",
+                                                                   "--gen-length", "32"]))
+    assert (defaults["sampler"], defaults["cache"]) == ("entropy_bound", "block")
+    want = dllm.generate(model, tok, "abc", chat=False, gen_length=16)
+    with LocalServer(Engine(model, tok, "random:diffusion-gemma-tiny", defaults)) as local:
+        status, answer = post(local.url + "/v1/completions", {"prompt": "abc", "max_tokens": 16})
+    assert status == 200 and answer["choices"][0]["text"] == want.texts[0]
+    assert want.stats.nfe == 48 and answer["usage"]["completion_tokens"] == len(want.token_ids[0])
