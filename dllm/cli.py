@@ -40,9 +40,10 @@ def _add_decoding_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache", default=None, help="(default: block on a block-causal model, else none)")
     p.add_argument("--cache-arg", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--gen-length", type=int, default=None,
-                   help="answer tokens (default: the model's generation_config.json, else 64)")
+                   help="answer tokens (default: the model's generation_config.json, else 64; DiffusionGemma: 256)")
     p.add_argument("--block-length", type=int, default=None, help="(default: the model's, else 32)")
-    p.add_argument("--steps", type=int, default=None, help="total steps (default: gen-length)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="total steps (default: gen-length; DiffusionGemma: max_denoising_steps, 48, per canvas)")
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None,
