@@ -71,9 +71,9 @@ def generate(model: DiffusionLM, tokenizer, prompts, sampler: str | Sampler | No
     block_length default to the model directory's `generation_config.json`, else the family's (DiffusionGemma:
     256 tokens in canvases), else 64 and 32 (or the largest block below 32 that divides gen_length); steps to
     gen_length (one token per step for schedule-driven samplers; DiffusionGemma: max_denoising_steps per
-    canvas). `callback` is called after every step (see
-    `decode`). `compile` runs the model under `torch.compile` (caches none, prefix, dual, block; the first calls
-    compile, minutes on a CPU for a large model)."""
+    canvas). `callback` is called after every step (see `decode`). `compile` runs the model under
+    `torch.compile` (caches none, prefix, dual, block; the first calls compile, minutes on a CPU for a large
+    model)."""
     sampler, cache, lengths, ids = _prepare(model, tokenizer, prompts, sampler, cache, gen_length, block_length,
                                             steps, seed, chat, dict(stop_early=stop_early, trace=trace,
                                                                     compile=compile), sampler_args, cache_args, params)
