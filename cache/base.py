@@ -69,10 +69,10 @@ def predicting_rows(positions: Tensor, shift: int) -> Tensor:
     return rows
 
 
-def zeros(count: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> list[Tensor]:
-    """`count` zeroed tensors of `shape`: a store's memory, made per generation (`StoreLender.take` keeps it at
+def zeros(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> list[Tensor]:
+    """Zeroed tensors of `shapes`, one each: a store's memory, made per generation (`StoreLender.take` keeps it at
     lasting addresses instead)."""
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]
+    return [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
 
 
 class PassThrough:
@@ -113,20 +113,21 @@ class PassThrough:
 
 
 class KVStore(PassThrough):
-    """Post-RoPE K/V of the whole canvas: `k[layer]`, `v[layer]` `[B, Hkv, L, D]`, zeroed tensors from `allocate`
-    (`zeros`, or a lender's), written in place at the active rows. A row that is not active keeps the value written
-    the last time it was computed.
+    """Post-RoPE K/V of the whole canvas: `k[layer]`, `v[layer]` `[B, Hkv, L, D]`, each layer's `(Hkv, D)` from
+    `shapes` (the model's `kv_shapes()`: DiffusionGemma's full layers differ from its sliding ones), zeroed tensors
+    from `allocate` (`zeros`, or a lender's), written in place at the active rows. A row that is not active keeps
+    the value written the last time it was computed.
 
     One tensor per layer and kind rather than views of one buffer: a compiled forward that writes into views of one
     buffer copies the whole buffer at every layer (inductor turns a view's in-place write into a copy of its base),
     which made llada-small's compiled cached forward 2.2x (batch 1) to 3.6x (batch 8) slower on a CPU at gen 256
     (BENCHMARKS.md)."""
 
-    def __init__(self, n_layers: int, batch: int, kv_heads: int, length: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, allocate: Callable[..., list[Tensor]] = zeros):
-        super().__init__(n_layers)
-        tensors = allocate(2 * n_layers, (batch, kv_heads, length, head_dim), dtype, device)
-        self.k, self.v = tensors[:n_layers], tensors[n_layers:]
+    def __init__(self, shapes: list[tuple[int, int]], batch: int, length: int, dtype: torch.dtype,
+                 device: torch.device, allocate: Callable[..., list[Tensor]] = zeros):
+        super().__init__(len(shapes))
+        tensors = allocate([(batch, heads, length, size) for heads, size in shapes] * 2, dtype, device)
+        self.k, self.v = tensors[:len(shapes)], tensors[len(shapes):]
 
     def update(self, layer: int, rows: Rows, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         write_rows(self.k[layer], 2, rows, k)
@@ -146,10 +147,10 @@ class KVStore(PassThrough):
         """The store repeated per draft (FreeDave's batch expansion; draft copies of a row side by side) in
         tensors from `allocate`: drafts write their own rows only."""
         view = copy.copy(self)
-        batch, *shape = self.k[0].shape
-        tensors = allocate(len(self.tensors), (batch * copies, *shape), self.k[0].dtype, self.k[0].device)
+        tensors = allocate([(t.shape[0] * copies, *t.shape[1:]) for t in self.tensors], self.k[0].dtype,
+                           self.k[0].device)
         for fork, mine in zip(tensors, self.tensors):
-            fork.unflatten(0, (batch, copies)).copy_(mine[:, None])
+            fork.unflatten(0, (mine.shape[0], copies)).copy_(mine[:, None])
         view.k, view.v = tensors[:len(self.k)], tensors[len(self.k):]
         return view
 
@@ -200,10 +201,9 @@ class Cache(Params):
 
     def new_kv(self, model, batch: int, length: int, allocate: Callable[..., list[Tensor]] = zeros) -> PassThrough:
         """A fresh store for `batch` canvases of `length`, its memory from `allocate` (see `KVStore`)."""
-        cfg = model.config
         if not self.stores_kv:
-            return PassThrough(cfg.n_layers)
-        return KVStore(cfg.n_layers, batch, cfg.n_kv_heads, length, cfg.head_dim, model.dtype, model.device, allocate)
+            return PassThrough(model.config.n_layers)
+        return KVStore(model.kv_shapes(), batch, length, model.dtype, model.device, allocate)
 
     def plan(self, kv: PassThrough, plan: PlanContext) -> Rows:
         """Rows to compute at the forward described by `plan`: a slice, or a `[B, A]` index with its valid

@@ -85,7 +85,7 @@ class ElasticStore(KVStore):
 
     def __init__(self, model, batch: int, length: int, policy: ElasticCache, allocate=zeros):
         cfg, dtype, device = model.config, model.dtype, model.device
-        super().__init__(cfg.n_layers, batch, cfg.n_kv_heads, length, cfg.head_dim, dtype, device, allocate)
+        super().__init__(model.kv_shapes(), batch, length, dtype, device, allocate)
         self.policy = policy
         self.q = [torch.zeros(batch, cfg.n_heads, length, cfg.head_dim, dtype=dtype, device=device)
                   for _ in range(cfg.n_layers)]

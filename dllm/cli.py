@@ -15,7 +15,7 @@ from dllm import samplers as samplers_mod
 
 from .core.checks import check_seed
 from .core.errors import DllmError, one_line_notice
-from .engine.options import decoding_lengths, default_cache
+from .engine.options import decoding_lengths, default_cache, model_sampler
 from .engine.text import check_plain_text
 
 DEFAULT_MODEL = "tiny-llada"
@@ -35,14 +35,15 @@ def _add_decoding_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="shipped name, random:<preset> or a local directory")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU)")
-    p.add_argument("--sampler", default="low_confidence")
+    p.add_argument("--sampler", default=None, help="(default: the model family's, else low_confidence)")
     p.add_argument("--sampler-arg", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--cache", default=None, help="(default: block on a block-causal model, else none)")
     p.add_argument("--cache-arg", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--gen-length", type=int, default=None,
-                   help="answer tokens (default: the model's generation_config.json, else 64)")
+                   help="answer tokens (default: the model's generation_config.json, else 64; DiffusionGemma: 256)")
     p.add_argument("--block-length", type=int, default=None, help="(default: the model's, else 32)")
-    p.add_argument("--steps", type=int, default=None, help="total steps (default: gen-length)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="total steps (default: gen-length; DiffusionGemma: max_denoising_steps, 48, per canvas)")
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None,
@@ -54,13 +55,18 @@ def _add_decoding_flags(p: argparse.ArgumentParser) -> None:
                    help="wrap prompts in the chat template (default: when the tokenizer has one)")
 
 
-def _policies(args) -> tuple[Any, Any]:
-    """The sampler and cache of the flags, checked before the model loads; no --cache gives None, the model's
-    default (`engine.default_cache`), which `generate` and `evaluate` take themselves."""
+def _policies(args, model=None) -> tuple[Any, Any]:
+    """The sampler and cache of the flags, checked before the model loads; no --sampler gives None until then, and
+    given the `model` its family's (`engine.options.model_sampler`: DiffusionGemma's entropy_bound, with its
+    generation_config.json's parameters under the flags'); no --cache gives None, the model's default
+    (`engine.default_cache`), which `generate` and `evaluate` take themselves."""
     sampler_args = _key_values(args.sampler_arg, "--sampler-arg")
     if args.temperature is not None:
         sampler_args["temperature"] = args.temperature
-    sampler = samplers_mod.SAMPLERS.create(args.sampler, **sampler_args)
+    name = args.sampler
+    if model is not None:
+        name, sampler_args = model_sampler(model, name, sampler_args)
+    sampler = None if name is None else samplers_mod.SAMPLERS.create(name, **sampler_args)
     cache_args = _key_values(args.cache_arg, "--cache-arg")
     if args.cache is None and cache_args:
         raise DllmError(f"--cache-arg {args.cache_arg[0]} needs --cache NAME (the default caches take no parameters)")
@@ -120,8 +126,9 @@ def _generate(args) -> int:
         raise DllmError("no prompt given; pass PROMPT arguments or pipe prompts on stdin, one per line")
     if args.trace is not None:
         _check_writable_file(args.trace, "--trace")
-    sampler, cache = _policies(args)
+    _policies(args)
     model, tok = dllm.load(args.model, device=args.device, dtype=args.dtype, threads=args.threads)
+    sampler, cache = _policies(args, model)
     lengths = decoding_lengths(model, args.gen_length, args.block_length, args.steps)
     with _progress(args, len(prompts) * lengths["gen_length"], "generate") as bar:
         out = dllm.generate(model, tok, prompts, sampler=sampler, cache=cache, **lengths, seed=args.seed,
@@ -151,8 +158,9 @@ def _chat(args) -> int:
     if args.chat is False:
         raise DllmError("dllm chat always uses the chat template; drop --no-chat (dllm generate --no-chat sends raw "
                         "text)")
-    sampler, cache = _policies(args)
+    _policies(args)
     model, tok = dllm.load(args.model, device=args.device, dtype=args.dtype, threads=args.threads)
+    sampler, cache = _policies(args, model)
     if getattr(tok, "chat_template", None) is None:
         raise DllmError(f"{args.model} has no chat template; use `dllm generate --no-chat`")
     lengths = decoding_lengths(model, args.gen_length, args.block_length, args.steps)
@@ -220,17 +228,19 @@ def _run_eval(args) -> int:
         if args.temperature is not None:
             sampler_args["temperature"] = args.temperature
         cache_args = _key_values(args.cache_arg, "--cache-arg")
-        sampler, cache = _policies(args)
+        _policies(args)
         device = f"cuda:{state.local_process_index}" if args.device == "cuda" else args.device  # one GPU each
         model, tok = dllm.load(args.model, device=device, dtype=args.dtype, threads=args.threads)
+        sampler, cache = _policies(args, model)
         decode_args = dict(**decoding_lengths(model, args.gen_length, args.block_length, args.steps),
                            seed=args.seed, chat=args.chat, model_name=args.model, compile=args.compile,
                            **data_args)
         if args.sweep:
             if not args.output:
                 raise DllmError("--sweep needs --output DIR (one folder per point, sweep.json, pareto.png)")
-            result = run_sweep(model, tok, args.task, args.sweep, args.output, args.sampler, args.cache,
-                               sampler_args, cache_args, **decode_args)
+            name, sampler_args = model_sampler(model, args.sampler, sampler_args)
+            result = run_sweep(model, tok, args.task, args.sweep, args.output, name, args.cache, sampler_args,
+                               cache_args, **decode_args)
             if state.is_main_process:
                 if result.get("plot") is None:
                     print("note: pareto.png not drawn: matplotlib is missing; pip install 'dllm-fast[plot]'",
@@ -268,8 +278,9 @@ def _bench(args) -> int:
         if value < 1:
             raise DllmError(f"{flag} must be at least 1, got {value}")
     check_seed(args.seed)
-    sampler, cache = _policies(args)
+    _policies(args)
     model, tok = dllm.load(args.model, device=args.device, dtype=args.dtype, threads=args.threads)
+    sampler, cache = _policies(args, model)
     sampler.prepare(tok)  # e.g. AdaBlock's delimiter ids
     cache = caches.CACHES.create(default_cache(model)) if cache is None else cache
     lengths = decoding_lengths(model, args.gen_length, args.block_length, args.steps)
@@ -304,7 +315,8 @@ def _serve_setup(args):
     sampler_args = _key_values(args.sampler_arg, "--sampler-arg")
     if args.temperature is not None:
         sampler_args["temperature"] = args.temperature
-    defaults = {"sampler": args.sampler, "cache": args.cache or default_cache(model), "sampler_args": sampler_args,
+    sampler, sampler_args = model_sampler(model, args.sampler, sampler_args)
+    defaults = {"sampler": sampler, "cache": args.cache or default_cache(model), "sampler_args": sampler_args,
                 "cache_args": _key_values(args.cache_arg, "--cache-arg"), "gen_length": args.gen_length,
                 "block_length": args.block_length, "steps": args.steps, "seed": args.seed}
     return model, tok, defaults

@@ -23,8 +23,8 @@ class StepContext:
     already aligned to them (no sampler ever sees Dream's shift)."""
 
     logits: Tensor  # [B, C, V] logits of the candidate positions (the block, or the sampler's logit_window)
-    eligible: Tensor  # [B, C] bool: masked, inside the current block, row unfinished
-    masked: Tensor  # [B, C] bool: masked and row unfinished, anywhere in the window
+    eligible: Tensor  # [B, C] bool: masked (not yet committed), inside the current block, row unfinished
+    masked: Tensor  # [B, C] bool: masked (not yet committed) and row unfinished, anywhere in the window
     positions: Tensor  # [C] canvas positions of the candidates
     canvas: Tensor  # [B, L] current tokens (read only)
     step: int  # step index inside the block, from 0
@@ -56,6 +56,8 @@ class Commit:
     # become the next step's, so that step needs no forward
     edit: Tensor | None = None  # [B, C] bool: editable positions rewritten with `tokens` (token editing)
     again: Tensor | None = None  # [B] bool: rows that want another step of this block even with no mask left
+    draft: Tensor | None = None  # [B, C] long: the next tokens of the uncommitted positions not committed now (a
+    # uniform-state canvas, renoised)
 
 
 @dataclass
@@ -94,7 +96,22 @@ class Sampler(Params):
         return None
 
     def check_model(self, config: Any) -> str | None:
-        """Hook: why this sampler cannot decode a model with this `ModelConfig` (None: it can)."""
+        """Hook: why this sampler cannot decode a model with this `ModelConfig` (None: it can). Default: a masked
+        model."""
+        if config.mask_id is None:
+            return ("it commits masked positions, and this is a uniform-state model (no mask: its canvas starts as "
+                    "random tokens); use sampler entropy_bound")
+        return None
+
+    def fill_block(self, shape: tuple[int, int], generators: list[torch.Generator | None], config: Any
+                   ) -> Tensor | None:
+        """Hook, called before a block's first forward: the `[B, C]` tokens its uncommitted positions start from,
+        row b's drawn from `generators[b]` (None: the row draws nothing), or None: they hold the mask."""
+        return None
+
+    def model_inputs(self, state: SimpleNamespace, step: int) -> dict | None:
+        """Hook: further keywords of the model's `run` for the forward of `step` (DiffusionGemma's
+        self-conditioning), from this generation's sampler state."""
         return None
 
     def block_end(self, ctx: StepContext) -> int:

@@ -41,6 +41,8 @@ class JointThresholdInDel(Sampler):
                                      ge=0)
 
     def check_model(self, config) -> str | None:
+        if config.mask_id is None:
+            return super().check_model(config)
         if config.edit_ids is None:
             return ("it writes the delete and split tokens of an insert/delete model (LLaDA2.2: delete_token_id and "
                     "split_token_id in config.json); use joint_threshold")

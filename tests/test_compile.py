@@ -139,16 +139,18 @@ def test_the_store_lender_hands_a_returned_store_back_zeroed_and_keeps_a_few():
 
     cpu = torch.device("cpu")
     lender = StoreLender(keep=2)
-    first = lender.take(3, (2, 3), torch.float32, cpu)
+    first = lender.take([(2, 3)] * 3, torch.float32, cpu)
     for i, t in enumerate(first):
         t.fill_(i + 1.0)
     lender.give_back(first)
-    again = lender.take(3, (2, 3), torch.float32, cpu)
+    again = lender.take([(2, 3)] * 3, torch.float32, cpu)
     assert [id(t) for t in again] == [id(t) for t in first] and not any(t.any() for t in again)
-    assert not {id(t) for t in lender.take(3, (2, 3), torch.bfloat16, cpu) + lender.take(2, (2, 3), torch.float32,
-                                                                                         cpu)} & set(map(id, first))
-    others = [lender.take(1, (n,), torch.float32, cpu) for n in (1, 2, 3)]
-    for store in [again, *others]:
+    lender.give_back(again)
+    for shapes, dtype in (([(2, 3)] * 3, torch.bfloat16), ([(2, 3)] * 2, torch.float32),
+                          ([(2, 3), (2, 3), (3, 2)], torch.float32)):  # another dtype, count, or one layer's shape
+        assert not {id(t) for t in lender.take(shapes, dtype, cpu)} & set(map(id, first))
+    others = [lender.take([(n,)], torch.float32, cpu) for n in (1, 2, 3)]
+    for store in others:
         lender.give_back(store)
     assert lender.free == [others[2], others[1]]  # the latest two
 

@@ -136,7 +136,7 @@ class RecordingStore(caches.KVStore):
     def __init__(self, model, canvas, expand_at=None, probe=None):
         cfg = model.config
         B, L = canvas.tokens.shape
-        super().__init__(cfg.n_layers, B, cfg.n_kv_heads, L, cfg.head_dim, torch.float32, torch.device("cpu"))
+        super().__init__(model.kv_shapes(), B, L, torch.float32, torch.device("cpu"))
         self.hidden = [torch.zeros(B, L, cfg.hidden_size) for _ in range(cfg.n_layers)]
         self.positions, self.expand_at, self.probe, self.seen = canvas.positions, expand_at, probe, {}
 

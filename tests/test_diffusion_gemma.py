@@ -6,15 +6,21 @@ with the entropy-bound rule, it generates transformers' very tokens from the sam
 import copy
 import dataclasses
 import json
+import shutil
 
 import pytest
 import torch
 from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, DynamicCache
 
 import dllm
+from dllm import samplers
 from dllm.cli import main
 from dllm.core.errors import DllmError
+from dllm.cache import CACHES
 from dllm.engine.canvas import Canvas
+from dllm.engine.likelihood import elbo
+from dllm.engine.loop import decode
+from dllm.engine.options import decoding_lengths
 from dllm.models import PRESETS, diffusion_gemma
 from dllm.models.gemma import DiffusionGemma
 from dllm.models.loading import build_model, checkpoint_state, save_pretrained
@@ -46,8 +52,10 @@ class Columns:
     def run(self, ids, start, decoder, self_conditioning=None):
         """Logits of `ids` at columns `[start, start + len)` in one mode, their K/V written."""
         cols = slice(start, start + ids.shape[1])
-        masks = self.model.visible_keys(self.positions[:, cols], self.positions, self.real, decoder)
-        return self.model.run(ids, self.positions[:, cols], masks, self, dllm.models.Rows(cols), decoder=decoder,
+        positions = self.positions[:, cols]
+        window = (positions[:, 0], positions[:, -1] + 1) if decoder else None
+        masks = self.model.visible_keys(positions, self.positions, self.real, window)
+        return self.model.run(ids, positions, masks, self, dllm.models.Rows(cols),
                               self_conditioning=self_conditioning)
 
 
@@ -189,25 +197,117 @@ def test_listed_with_its_family(capsys):
     assert listed["tiny-llada"] == "llada"
 
 
-def test_generation_is_refused_by_name():
+@pytest.fixture(scope="module")
+def quiet(pair):
+    """Ours of `pair` with self-conditioning's output weights at transformers' initial scale (see the replay test):
+    float32 rounding differences between batch layouts stay far below what flips a sample."""
+    model = copy.deepcopy(pair[1])
+    with torch.no_grad():
+        model.self_conditioning.mlp.down_proj.weight.mul_(0.2)
+    return model
+
+
+def test_a_padded_row_and_every_exact_cache_give_the_tokens_alone(quiet):
+    """Rows of different lengths decoded together (left-padded, each from its seed) give their tokens decoded
+    alone, with every cache DiffusionGemma takes (block: each committed canvas encoded in the next one's first
+    forward; none, prefix, dual: everything or the canvas recomputed), and the block cache computes fewest rows."""
+    rule, seeds = EntropyBound(), [3, 8]
+    alone = [decode(quiet, [p], rule, CACHES.create("none"), 48, 16, 36, seed=s)[0] for p, s in zip(PROMPTS, seeds)]
+    rows = {}
+    for cache in ("block", "none", "prefix", "dual"):
+        canvas, stats, _ = decode(quiet, PROMPTS, rule, CACHES.create(cache), 48, 16, 36, seed=seeds)
+        for b, one in enumerate(alone):
+            assert torch.equal(canvas.tokens[b, canvas.prompt_length:], one.tokens[0, one.prompt_length:]), cache
+        rows[cache] = sum(stats.rows_per_layer)
+    assert rows["block"] < rows["dual"] < rows["prefix"] < rows["none"]
+    assert len({tuple(t.tokens[0, t.prompt_length:].tolist()) for t in alone}) == 2
+
+
+def test_the_samplers_and_caches_it_cannot_take_are_refused_by_name(quiet):
+    """Every masked sampler refuses the uniform-state model, entropy_bound refuses a masked one, and the caches
+    that choose rows token by token are refused; each in one line, before any work."""
+    for cls in samplers.SAMPLERS:
+        if cls.name == "entropy_bound":
+            continue
+        with pytest.raises(DllmError, match=f"sampler '{cls.name}' cannot decode diffusion_gemma: .*uniform-state"):
+            decode(quiet, PROMPTS[:1], cls(), CACHES.create("block"), 16, 16)
+    llada = build_model(PRESETS["llada-tiny"], "cpu", torch.float32)
+    with pytest.raises(DllmError, match="sampler 'entropy_bound' cannot decode llada: .*masked model"):
+        decode(llada, PROMPTS[:1], EntropyBound(), CACHES.create("none"), 16, 16)
+    for cache in ("dkv", "dkv_greedy", "elastic"):
+        with pytest.raises(DllmError, match=f"cache '{cache}' (chooses rows .*use cache block \\(exact\\), none, "
+                                            f"prefix or dual|needs a sampler whose next commits are known)"):
+            decode(quiet, PROMPTS[:1], EntropyBound(), CACHES.create(cache), 16, 16)
+    with pytest.raises(DllmError, match="unknown parameter 'temperature' for sampler 'entropy_bound'"):
+        samplers.SAMPLERS.create("entropy_bound", temperature=0.5)
+    with pytest.raises(DllmError, match="uniform-state .*the likelihood here is a masked diffusion ELBO"):
+        elbo(quiet, PROMPTS[0], [5, 6])
+
+
+def test_defaults_come_from_generation_config(pair, tmp_path):
+    """No sampler named: entropy_bound, its parameters from generation_config.json (transformers' keys) under the
+    caller's; a block per canvas and max_denoising_steps steps per block."""
+    _, _, path = pair
+    directory = tmp_path / "dgemma"
+    shutil.copytree(path, directory)
+    (directory / "generation_config.json").write_text(json.dumps({
+        "eos_token_id": [1, 7], "max_new_tokens": 32, "max_denoising_steps": 5, "t_min": 0.3, "t_max": 0.9,
+        "stability_threshold": 2, "confidence_threshold": 0.01,
+        "sampler_config": {"entropy_bound": 0.2, "_cls_name": "EntropyBoundSamplerConfig"}}))
+    model, tok = dllm.load(str(directory))
+    assert decoding_lengths(model) == {"gen_length": 32, "block_length": 16, "steps": 10}
+    out = dllm.generate(model, tok, ["hi"], stability=0, stop_early=False)
+    assert out.sampler == {"name": "entropy_bound", "bound": 0.2, "t_max": 0.9, "t_min": 0.3, "stability": 0,
+                           "confidence": 0.01}
+    assert out.cache["name"] == "block" and out.stats.nfe <= 10
+    assert dllm.generate(model, tok, ["hi"], "entropy_bound", steps=4, stop_early=False).stats.nfe <= 4
+    (directory / "generation_config.json").write_text(json.dumps({"t_min": "cold"}))
+    with pytest.raises(DllmError, match="t_min must be float, got 'cold' \\(from the model's generation_config"):
+        dllm.generate(*dllm.load(str(directory)), ["hi"])
+
+
+def test_the_cli_generates_and_benches(capsys):
+    """`dllm generate` and `dllm bench` on the random preset with the family's defaults (entropy_bound, block
+    cache, 48 steps per canvas); the CLI's tokens are the Python call's."""
+    assert main(["generate", "--model", "random:diffusion-gemma-tiny", "--gen-length", "32", "--json", "hi"]) == 0
+    out = json.loads(capsys.readouterr().out)
     model, tok = dllm.load("random:diffusion-gemma-tiny")
-    with pytest.raises(DllmError, match="uniform-state"):
-        dllm.generate(model, tok, ["hi"], gen_length=16)
+    want = dllm.generate(model, tok, ["hi"], gen_length=32)
+    assert out["sampler"]["name"] == "entropy_bound" and out["cache"]["name"] == "block"
+    assert out["outputs"][0]["token_ids"] == want.token_ids[0] and out["stats"]["nfe"] == want.stats.nfe <= 96
+    assert main(["bench", "--model", "random:diffusion-gemma-tiny", "--gen-length", "16", "--steps", "4",
+                 "--repeats", "1", "--prompt-length", "8", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["nfe"] == 4 and result["config"]["sampler"]["name"] == "entropy_bound"
+    assert model.config.moe.top_k / model.config.moe.n_experts < result["model"]["experts_read"] <= 1
 
 
-def _generate_one(model, prompt, canvases, rule, seed, stop_ids):
+def test_bench_counts_the_experts_the_router_input_chose(quiet, monkeypatch):
+    """DiffusionGemma routes on the residual stream, not on the experts' input: the bench's count routes what
+    the layer routed."""
+    from dllm.engine.bench import expert_fraction
+    from dllm.models.moe import MoE
+
+    routed, route = [], MoE.route
+    monkeypatch.setattr(MoE, "route", lambda moe, x: routed.append(x) or route(moe, x))
+    expert_fraction(quiet, PROMPTS[:1], EntropyBound(), CACHES.create("block"), 16, 2, 0)
+    assert len(routed) % 2 == 0 and all(torch.equal(a, b) for a, b in zip(routed[::2], routed[1::2]))
+
+
+def _generate_one(model, prompt, canvases, steps, rule, seed, stop_ids):
     """Our network and `entropy_bound_step` composed as transformers' `generate` runs one row: encode the prompt,
     denoise each canvas from random tokens (self-conditioned on the previous step), commit its argmax, encode
     it; stop after a canvas holding a stop id (what follows it in the canvas becomes pad)."""
     g, size, vocab = torch.Generator().manual_seed(seed), model.config.canvas_length, model.config.vocab_size
-    columns, tokens = Columns(model, torch.ones(1, len(prompt) + canvases * size, dtype=torch.bool)), [prompt]
+    columns, tokens = Columns(model, torch.ones(1, len(prompt) + canvases * size, dtype=torch.bool)), [list(prompt)]
     columns.run(torch.tensor(tokens), 0, False)
     for _ in range(canvases):
         start, sc = len(tokens[0]), None
-        canvas = random_canvas((1, size), vocab, [g], "cpu")
+        canvas = random_canvas((1, size), vocab, [g])
         history = new_history(rule.stability, canvas)
-        for steps_left in range(rule.steps, 0, -1):
-            out = entropy_bound_step(columns.run(canvas, start, True, sc), canvas, history, steps_left, rule, [g])
+        for steps_left in range(steps, 0, -1):
+            out = entropy_bound_step(columns.run(canvas, start, True, sc), canvas, history, steps_left, steps, rule,
+                                     [g])
             canvas, history, sc = out.canvas, out.history, out.scaled
             if out.stop.all():
                 break
@@ -220,35 +320,64 @@ def _generate_one(model, prompt, canvases, rule, seed, stop_ids):
     return torch.tensor(tokens)
 
 
+def _through_the_end_of_answer(ids, stop_ids):
+    """The answer up to its first stop id, included (transformers pads what follows it; we write the filler)."""
+    return ids[:next((i + 1 for i, t in enumerate(ids) if t in stop_ids), len(ids))]
+
+
 @pytest.mark.parametrize(("stability", "confidence", "stop_ids"), [
     (1, 0.005, (1,)),  # three canvases of 12 steps each
     (0, 5.0, (1,)),  # the first canvas stops at its first step (mean entropy below ln 128 < 5) and holds a 1
     (1, 0.005, (7,)),  # the third canvas holds a 7: pad after it
 ])
 def test_generation_replays_transformers_draws(pair, stability, confidence, stop_ids):
-    """One row, the same seed: our pieces generate transformers' tokens exactly (its `generate` draws the
-    batch's random numbers from one stream, so only a single row can replay them). Self-conditioning's output
-    weights at transformers' initial scale (std 0.02): at the fixture's 0.1 it amplifies a logit difference 3-5x
-    per step, so float32 rounding differences (2e-6 at a canvas's first step) reach 0.3 by the twelfth and flip a
-    committed argmax; at 0.02 they stay below 2e-5."""
+    """One row, the same seed: our pieces, and the decode loop with the entropy_bound sampler (the block cache
+    encoding each committed canvas in the next one's first forward, and no cache), generate transformers' tokens
+    exactly (its `generate` draws the batch's random numbers from one stream, so only a single row can replay
+    them). Self-conditioning's output weights at transformers' initial scale (std 0.02): at the fixture's 0.1 it
+    amplifies a logit difference 3-5x per step, so float32 rounding differences (2e-6 at a canvas's first step)
+    reach 0.3 by the twelfth and flip a committed argmax; at 0.02 they stay below 2e-5."""
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
 
     ref, model = (copy.deepcopy(m) for m in pair[:2])
+    model.config = dataclasses.replace(model.config, stop_ids=stop_ids)
     with torch.no_grad():
         ref.model.decoder.self_conditioning.down_proj.weight.mul_(0.2)
         model.self_conditioning.mlp.down_proj.weight.mul_(0.2)
-    rule = EntropyBound(steps=12, stability=stability, confidence=confidence)
+    steps, rule = 12, EntropyBound(stability=stability, confidence=confidence)
     torch.manual_seed(4)
-    want = ref.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=48, max_denoising_steps=rule.steps,
+    want = ref.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=48, max_denoising_steps=steps,
                         t_min=rule.t_min, t_max=rule.t_max, stability_threshold=rule.stability,
                         confidence_threshold=rule.confidence, sampler_config=EntropyBoundSamplerConfig(rule.bound),
                         eos_token_id=list(stop_ids), pad_token_id=model.config.pad_id)
     with torch.no_grad():
-        got = _generate_one(model, PROMPTS[0], 3, rule, 4, stop_ids)
+        got = _generate_one(model, PROMPTS[0], 3, steps, rule, 4, stop_ids)
     assert torch.equal(got, want.sequences)
+    answer = _through_the_end_of_answer(want.sequences[0, len(PROMPTS[0]):].tolist(), stop_ids)
+    for cache in ("block", "none"):
+        canvas, stats, _ = decode(model, [PROMPTS[0]], rule, CACHES.create(cache), 48, 16, 3 * steps, seed=4)
+        assert _through_the_end_of_answer(canvas.tokens[0, len(PROMPTS[0]):].tolist(), stop_ids) == answer, cache
+        assert stats.gen_tokens == 16 * -(-len(answer) // 16)  # whole canvases committed
 
 
 def test_an_image_is_refused_by_name():
     model = build_model(dataclasses.replace(PRESETS["diffusion-gemma-tiny"], image_token_id=100), "cpu", torch.float32)
     with pytest.raises(DllmError, match="image token 100.*text only"):
         Canvas.check(model, [[2, 5, 100, 6]], 16)
+
+
+def test_served_with_the_family_defaults():
+    """`dllm serve` takes the family's sampler and cache, keeps 48 steps per canvas for a shorter answer
+    (max_tokens), and answers as `dllm.generate` does alone."""
+    pytest.importorskip("fastapi")
+    from dllm.cli import _serve_setup, build_parser
+    from dllm.serve import Engine, LocalServer, post
+
+    model, tok, defaults = _serve_setup(build_parser().parse_args(["serve", "--model", "random:diffusion-gemma-tiny",
+                                                                   "--gen-length", "32"]))
+    assert (defaults["sampler"], defaults["cache"]) == ("entropy_bound", "block")
+    want = dllm.generate(model, tok, "abc", chat=False, gen_length=16)
+    with LocalServer(Engine(model, tok, "random:diffusion-gemma-tiny", defaults)) as local:
+        status, answer = post(local.url + "/v1/completions", {"prompt": "abc", "max_tokens": 16})
+    assert status == 200 and answer["choices"][0]["text"] == want.texts[0]
+    assert want.stats.nfe == 48 and answer["usage"]["completion_tokens"] == len(want.token_ids[0])

@@ -79,11 +79,11 @@ def test_stops_equal_reference(stability):
 def test_one_row_draws_equal_reference():
     """A row's fresh canvas, samples and renoised tokens equal transformers' draws from the same seed (one
     row: transformers draws for the whole batch from one stream, we per row)."""
-    rule = EntropyBound(bound=1.0)
+    rule, steps = EntropyBound(bound=1.0), 48
     logits = _logits(3, batch=1) + 2.0
-    reference = EntropyBoundSampler(EntropyBoundSamplerConfig(entropy_bound=1.0), CANVAS, VOCAB, rule.steps)
+    reference = EntropyBoundSampler(EntropyBoundSamplerConfig(entropy_bound=1.0), CANVAS, VOCAB, steps)
     processor = LinearTemperatureScheduleLogitsProcessor(t_min=rule.t_min, t_max=rule.t_max,
-                                                         max_denoising_steps=rule.steps)
+                                                         max_denoising_steps=steps)
     torch.manual_seed(11)
     start = reference.initialize_canvas(1, torch.device("cpu"))
     scaled = processor(None, logits, cur_step=torch.tensor(40, dtype=torch.int32))
@@ -91,9 +91,9 @@ def test_one_row_draws_equal_reference():
     want = reference.renoise_canvas(reference.accept_canvas(start, drawn, scaled, 40), 40)
 
     g = torch.Generator().manual_seed(11)
-    canvas = random_canvas((1, CANVAS), VOCAB, [g], "cpu")
+    canvas = random_canvas((1, CANVAS), VOCAB, [g])
     assert torch.equal(canvas, start)
-    out = entropy_bound_step(logits, canvas, new_history(1, canvas), 40, rule, [g])
+    out = entropy_bound_step(logits, canvas, new_history(1, canvas), 40, steps, rule, [g])
     assert torch.equal(out.canvas, want) and torch.equal(out.scaled, scaled)
     assert 0 < out.keep.sum() < CANVAS and torch.equal(out.keep, reference.accepted_token_mask)
 
@@ -102,8 +102,8 @@ def test_a_stopped_row_draws_nothing():
     rule = EntropyBound()
     logits, canvas = _logits(1, batch=2), torch.zeros(2, CANVAS, dtype=torch.long)
     g = torch.Generator().manual_seed(0)
-    out = entropy_bound_step(logits, canvas, new_history(1, canvas), 48, rule, [None, g])
-    alone = entropy_bound_step(logits[1:], canvas[1:], new_history(1, canvas[1:]), 48, rule,
+    out = entropy_bound_step(logits, canvas, new_history(1, canvas), 48, 48, rule, [None, g])
+    alone = entropy_bound_step(logits[1:], canvas[1:], new_history(1, canvas[1:]), 48, 48, rule,
                                [torch.Generator().manual_seed(0)])
     assert torch.equal(out.canvas[0], canvas[0]) and torch.equal(out.canvas[1:], alone.canvas)
 

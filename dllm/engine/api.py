@@ -12,7 +12,7 @@ from ..core.errors import DllmError
 from ..models import DiffusionLM
 from .checks import check_lengths
 from .loop import Batch, Row, decode
-from .options import decoding_lengths, default_cache, split_params
+from .options import decoding_lengths, default_cache, model_sampler, split_params
 from .stats import Stats
 from .text import answer_text, encode_prompts, is_token_id, warn_outside_format
 
@@ -36,6 +36,7 @@ def _prepare(model: DiffusionLM, tokenizer, prompts, sampler, cache, gen_length,
              flags: dict[str, Any], sampler_args, cache_args, params):
     """`generate`'s and `stream`'s checks and setup: the sampler and cache, the lengths, the seed and flags, then
     the prompts' ids (every bad input fails before any work)."""
+    sampler, sampler_args = model_sampler(model, sampler, sampler_args)
     sampler, cache = split_params(sampler, default_cache(model) if cache is None else cache, params, sampler_args,
                                   cache_args)
     lengths = decoding_lengths(model, gen_length, block_length, steps)
@@ -53,7 +54,7 @@ def _prepare(model: DiffusionLM, tokenizer, prompts, sampler, cache, gen_length,
     return sampler, cache, lengths, ids
 
 
-def generate(model: DiffusionLM, tokenizer, prompts, sampler: str | Sampler = "low_confidence",
+def generate(model: DiffusionLM, tokenizer, prompts, sampler: str | Sampler | None = None,
              cache: str | Cache | None = None, gen_length: int | None = None, block_length: int | None = None,
              steps: int | None = None, seed: int | list[int] = 0, chat: bool | None = None, stop_early: bool = True,
              trace: bool = False, sampler_args: dict[str, Any] | None = None,
@@ -64,12 +65,15 @@ def generate(model: DiffusionLM, tokenizer, prompts, sampler: str | Sampler = "l
     `params` go to the sampler or the cache by name (e.g. `threshold=0.9`, `temperature=0.5`,
     `refresh_every=4`); a name both take goes in `sampler_args`/`cache_args`. Every row draws from its own
     generator seeded with `seed` (a row equals its prompt alone), or with `seed[i]`: several samples of one
-    prompt in one batch take a list of seeds. `cache` defaults to `default_cache(model)` (block-causal models:
-    `block`; others: `none`). gen_length and block_length default to the model directory's
-    `generation_config.json`, else 64 and 32 (or the largest block below 32 that divides gen_length); steps to
-    gen_length (one token per step for schedule-driven samplers). `callback` is called after every step (see
-    `decode`). `compile` runs the model under `torch.compile` (caches none, prefix, dual, block; the first calls
-    compile, minutes on a CPU for a large model)."""
+    prompt in one batch take a list of seeds. `sampler` defaults to the model family's (DiffusionGemma:
+    entropy_bound, with its generation_config.json's parameters), else low_confidence; `cache` to
+    `default_cache(model)` (block-causal and causal-prefix models: `block`; others: `none`). gen_length and
+    block_length default to the model directory's `generation_config.json`, else the family's (DiffusionGemma:
+    256 tokens in canvases), else 64 and 32 (or the largest block below 32 that divides gen_length); steps to
+    gen_length (one token per step for schedule-driven samplers; DiffusionGemma: max_denoising_steps per
+    canvas). `callback` is called after every step (see `decode`). `compile` runs the model under
+    `torch.compile` (caches none, prefix, dual, block; the first calls compile, minutes on a CPU for a large
+    model)."""
     sampler, cache, lengths, ids = _prepare(model, tokenizer, prompts, sampler, cache, gen_length, block_length,
                                             steps, seed, chat, dict(stop_early=stop_early, trace=trace,
                                                                     compile=compile), sampler_args, cache_args, params)
@@ -107,7 +111,7 @@ class Stream:
                                          batch.cache.config(), batch.trace)
 
 
-def stream(model: DiffusionLM, tokenizer, prompt, sampler: str | Sampler = "low_confidence",
+def stream(model: DiffusionLM, tokenizer, prompt, sampler: str | Sampler | None = None,
            cache: str | Cache | None = None, gen_length: int | None = None, block_length: int | None = None,
            steps: int | None = None, seed: int = 0, chat: bool | None = None, stop_early: bool = True,
            trace: bool = False, sampler_args: dict[str, Any] | None = None,
@@ -128,7 +132,8 @@ def stream(model: DiffusionLM, tokenizer, prompt, sampler: str | Sampler = "low_
     sampler, cache, lengths, ids = _prepare(model, tokenizer, [prompt], sampler, cache, gen_length, block_length,
                                             steps, seed, chat, dict(stop_early=stop_early, trace=trace,
                                                                     compile=compile), sampler_args, cache_args, params)
-    steps_per_block = check_lengths(lengths["gen_length"], lengths["block_length"], lengths["steps"])
+    steps_per_block = check_lengths(lengths["gen_length"], lengths["block_length"], lengths["steps"],
+                                    uniform=model.config.mask_id is None)
     batch = Batch(model, sampler, cache, lengths["block_length"], steps_per_block, stop_early, trace,
                   callback=callback, compile=compile)
     return Stream(tokenizer, batch, batch.add(ids[0], lengths["gen_length"], seed[0] if isinstance(seed, list)

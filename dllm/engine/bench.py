@@ -17,7 +17,7 @@ from .loop import decode
 def random_prompts(model, batch_size: int, prompt_length: int, seed: int) -> list[list[int]]:
     """The same `prompt_length` random ordinary token ids in every row."""
     cfg = model.config
-    special = {cfg.mask_id, cfg.pad_id, cfg.filler_id, *cfg.stop_ids}
+    special = {cfg.mask_id, cfg.pad_id, cfg.filler_id, *cfg.stop_ids} - {None}
     pool = torch.tensor([t for t in range(cfg.vocab_size) if t not in special])
     pick = torch.randint(len(pool), (prompt_length,), generator=torch.Generator().manual_seed(seed))
     return [pool[pick].tolist()] * batch_size
@@ -25,14 +25,18 @@ def random_prompts(model, batch_size: int, prompt_length: int, seed: int) -> lis
 
 def expert_fraction(model, prompts, sampler, cache, block_length: int, steps: int | None, seed: int) -> float:
     """The mean fraction of an MoE layer's routed experts that one forward reads (the distinct experts its
-    tokens chose), counted over one block of one more run; a forward hook routes each layer's input again."""
+    tokens chose), counted over one block of one more run; a forward hook routes each layer's input again (its
+    `router_input`, where the layer routes on another tensor than the experts' input: DiffusionGemma)."""
     counts: list[float] = []
 
-    def count(moe, args):
-        chosen, _ = moe.route(args[0].reshape(-1, args[0].shape[-1]))
+    def count(moe, args, kwargs):
+        routed = kwargs.get("router_input")
+        routed = args[0] if routed is None else routed
+        chosen, _ = moe.route(routed.reshape(-1, routed.shape[-1]))
         counts.append(chosen.unique().numel() / moe.cfg.n_experts)
 
-    hooks = [layer.moe.register_forward_pre_hook(count) for layer in model.layers if hasattr(layer, "moe")]
+    hooks = [layer.moe.register_forward_pre_hook(count, with_kwargs=True) for layer in model.layers
+             if hasattr(layer, "moe")]
     try:
         decode(model, prompts, sampler, cache, block_length, block_length, steps, seed, stop_early=False)
     finally:

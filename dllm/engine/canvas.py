@@ -1,5 +1,5 @@
-"""The canvas: a left-padded batch `[pad | prompt | answer | pad]`, its RoPE positions and key mask, and the rule
-that says when a row has finished."""
+"""The canvas: a left-padded batch `[pad | prompt | answer | pad]`, its RoPE positions and key mask, which positions
+are not yet committed, and the rule that says when a row has finished."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,6 +23,15 @@ class Canvas:
     gen_end: Tensor  # [B] ... and ends (right padding after it, when rows of a batch differ)
     answer: Tensor  # [B, L] bool: the columns between them
     stop_ids: Tensor  # the model's stop ids, on the canvas's device
+    mask_id: int | None  # a masked model's mask: its positions not yet committed hold it
+    uncommitted: Tensor | None = None  # [B, L] bool: a uniform-state model's positions not yet committed (they hold
+    # random tokens); None on a masked model
+
+    def pending(self, columns: slice | None = None) -> Tensor:
+        """[B, L] bool (or those `columns`): positions not yet committed, the masks of a masked model."""
+        if self.uncommitted is not None:
+            return self.uncommitted if columns is None else self.uncommitted[:, columns]
+        return (self.tokens if columns is None else self.tokens[:, columns]) == self.mask_id
 
     @staticmethod
     def check(model: DiffusionLM, prompts: list[list[int]], gen_length: int) -> None:
@@ -49,10 +58,11 @@ class Canvas:
 
     @classmethod
     def build(cls, model: DiffusionLM, prompts: list[list[int]], gen_length: int) -> "Canvas":
-        """The left-padded canvas of a fresh batch: prompts, then `gen_length` masks each."""
+        """The left-padded canvas of a fresh batch: prompts, then `gen_length` masks each (pad on a uniform-state
+        model, where the sampler draws the canvas)."""
         cls.check(model, prompts, gen_length)
-        mask = model.config.mask_id
-        rows = [torch.tensor(list(ids) + [mask] * gen_length, dtype=torch.long) for ids in prompts]
+        rows = [torch.tensor(list(ids) + [model.config.placeholder_id] * gen_length, dtype=torch.long)
+                for ids in prompts]
         return cls.lay_out(model, rows, [len(ids) for ids in prompts], [len(ids) for ids in prompts])
 
     @classmethod
@@ -60,7 +70,8 @@ class Canvas:
                 ) -> "Canvas":
         """`rows` of tokens (prompt, then answer), padded left and right so that the first `before[b]` tokens of
         every row end at one column: the answer's start in a fresh batch, the current block's when rows joined
-        between blocks (`Batch`). RoPE positions count each row's real tokens from 0."""
+        between blocks (`Batch`). RoPE positions count each row's real tokens from 0. On a uniform-state model the
+        answer from that column on is not yet committed."""
         cfg, device = model.config, model.device
         left = max(before)
         length = left + max(len(t) - n for t, n in zip(rows, before))
@@ -75,16 +86,20 @@ class Canvas:
         gen_end = gen_start + torch.tensor([len(t) - p for t, p in zip(rows, prompt_lengths)], device=device)
         column = torch.arange(length, device=device)
         answer = (column >= gen_start[:, None]) & (column < gen_end[:, None])
+        uncommitted = None if cfg.mask_id is not None else answer & (column >= left)
         return cls(tokens.to(device), positions.to(device), key_mask, int(gen_start.min()), gen_start, gen_end, answer,
-                   torch.tensor(cfg.stop_ids, device=device))
+                   torch.tensor(cfg.stop_ids, device=device), cfg.mask_id, uncommitted)
 
     def finish_rows(self, finished: Tensor, cfg) -> Tensor:
-        """Mark rows whose answer is complete (its first stop token comes before its first mask) and write the filler
-        into their remaining masks. Returns the updated `finished`."""
+        """Mark rows whose answer is complete (its first committed stop token comes before its first position not
+        yet committed) and write the filler into their uncommitted positions. Returns the updated `finished`."""
         tokens, length = self.tokens, self.tokens.shape[1]
         column = torch.arange(length, device=tokens.device)
-        first_stop = torch.where(torch.isin(tokens, self.stop_ids) & self.answer, column, length).amin(1)
-        masked = (tokens == cfg.mask_id) & self.answer
+        stops = torch.isin(tokens, self.stop_ids) & self.answer
+        if self.uncommitted is not None:  # a random token of a live canvas ends nothing
+            stops &= ~self.uncommitted
+        first_stop = torch.where(stops, column, length).amin(1)
+        masked = self.pending() & self.answer
         done = first_stop < torch.where(masked, column, length).amin(1)  # no stop: first_stop == length
         tokens.masked_fill_(masked & done[:, None], cfg.filler_id)
         return finished | done

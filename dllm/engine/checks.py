@@ -16,9 +16,11 @@ if TYPE_CHECKING:
     from ..samplers import Sampler
 
 
-def check_lengths(gen_length: int, block_length: int, steps: int | None, model_block: bool = False) -> int:
+def check_lengths(gen_length: int, block_length: int, steps: int | None, model_block: bool = False,
+                  uniform: bool = False) -> int:
     """Validate the block layout; return steps per block. `model_block`: the block is a block-causal model's
-    attention block, so only gen_length can change."""
+    attention block, so only gen_length can change. `uniform`: a uniform-state model, whose blocks are denoised
+    for their steps and committed at once, so a block may take more steps than it has tokens."""
     check_int("gen_length", gen_length)
     check_int("block_length", block_length)
     if steps is not None:
@@ -34,24 +36,25 @@ def check_lengths(gen_length: int, block_length: int, steps: int | None, model_b
                         f"or block_length {gen_length}")
     blocks = gen_length // block_length
     steps = gen_length if steps is None else steps
-    if steps < blocks or steps > gen_length or steps % blocks:
+    if uniform and (steps < blocks or steps % blocks):
+        raise DllmError(f"steps ({steps}) must be a positive multiple of the number of blocks ({blocks})")
+    if not uniform and (steps < blocks or steps > gen_length or steps % blocks):
         raise DllmError(f"steps ({steps}) must be a multiple of the number of blocks ({blocks}) between {blocks} "
                         f"and gen_length ({gen_length})")
     return steps // blocks
 
 
 def check_masked(model: DiffusionLM) -> None:
-    """The model is a masked diffusion model: the loop decodes masks (a uniform-state model has none)."""
+    """The model is a masked diffusion model, as a likelihood's ELBO needs (it masks the continuation)."""
     if model.config.mask_id is None:
         raise DllmError(f"{model.config.arch} is a uniform-state model (its canvas starts as random tokens, there is "
-                        f"no mask token), which the decode loop does not run yet (issue #37); use a masked diffusion "
+                        f"no mask token), and the likelihood here is a masked diffusion ELBO; use a masked diffusion "
                         f"model such as tiny-llada")
 
 
 def check_policies(model: DiffusionLM, sampler: Sampler, cache: Cache, compile: bool = False) -> None:
     """The sampler, the cache and the model can decode together (else the one-line reason)."""
     cfg = model.config
-    check_masked(model)
     if cfg.pad_id == cfg.mask_id:
         raise DllmError("the model's pad id equals its mask id; fix pad_token_id in config.json")
     problem = sampler.check_model(cfg)

@@ -36,7 +36,7 @@ class Row:
     generator: torch.Generator
     tokens: Tensor  # [len(prompt) + gen_length] as of the last layout
     decoded: int = 0  # positions from `origin` before the current block (whole blocks), as of the last layout
-    finished: bool = False  # a stop token committed with nothing masked before it
+    finished: bool = False  # a stop token committed with nothing uncommitted before it
 
 
 class Batch:
@@ -82,7 +82,7 @@ class Batch:
         if size:  # whole attention blocks, the answer from the prompt's end to the end of its last block
             origin = len(prompt) // size * size
             gen_length = -(-(len(prompt) + gen_length) // size) * size - len(prompt)
-        tokens = torch.tensor(list(prompt) + [model.config.mask_id] * gen_length, dtype=torch.long)
+        tokens = torch.tensor(list(prompt) + [model.config.placeholder_id] * gen_length, dtype=torch.long)
         row = Row(list(prompt), gen_length, origin, torch.Generator(device=model.device).manual_seed(seed), tokens)
         self._save()
         self.rows.append(row)
@@ -175,7 +175,8 @@ class Batch:
 
     @torch.no_grad()
     def run_block(self) -> None:
-        """Decode the next block of every row: a step per forward until no row has a mask left in the block."""
+        """Decode the next block of every row: a step per forward until no row has a position left in the block that
+        is not yet committed (a mask, or a uniform-state model's random token)."""
         if not self.rows:
             raise DllmError("the batch has no rows; add a prompt first")
         if self.canvas is None:
@@ -186,10 +187,13 @@ class Batch:
         committed = torch.zeros((), dtype=torch.long, device=self.model.device)
         step, reused = 0, None  # reused: (window, logits) of a verified draft the sampler committed
         open_now = self._open_rows(start, end).tolist()
+        if any(open_now):
+            self._fill_block(start, end, open_now)
         while any(open_now):
             counted = list(self.runner.kv.rows_per_layer) if self.trace is not None else None
             lo, hi, rows = self._plan(step, start, end)
-            logits = reused[1] if reused is not None and reused[0] == (lo, hi) else self.runner.forward(lo, hi, rows)
+            logits = reused[1] if reused is not None and reused[0] == (lo, hi) else \
+                self.runner.forward(lo, hi, rows, inputs=self.sampler.model_inputs(self.state, step))
             ctx = self._context(logits, step, start, end, lo, hi, open_now)
             if step == 0:  # the block-start forward may move the block end (AdaBlock)
                 end = self._move_block_end(ctx)
@@ -203,12 +207,21 @@ class Batch:
         self.stats.seconds += clock(self.model.device) - began
         self.stats.gen_tokens += int(committed)
 
+    def _fill_block(self, start: int, end: int, open_now: list[bool]) -> None:
+        """The sampler's first tokens for the block's uncommitted positions (a uniform-state model's random canvas),
+        each open row's drawn from its own generator."""
+        generators = [g if o else None for g, o in zip(self.generators, open_now)]
+        tokens = self.sampler.fill_block((len(open_now), end - start), generators, self.model.config)
+        if tokens is not None:
+            block = self.canvas.tokens[:, start:end]
+            block.copy_(torch.where(self.canvas.pending(slice(start, end)) & self.unfinished[:, None], tokens, block))
+
     def _plan(self, step: int, start: int, end: int) -> tuple[int, int, Rows]:
         """The candidate window `[lo, hi)` of a step and the rows the cache computes for it."""
         canvas, cfg, sampler = self.canvas, self.model.config, self.sampler
         lo, hi = sampler.logit_window(canvas.prompt_length, canvas.tokens.shape[1], start, end, step)
         lo, hi = min(lo, start), max(hi, end)
-        masked, before = canvas.tokens == cfg.mask_id, self.masked_at_plan
+        masked, before = canvas.pending(), self.masked_at_plan
         self.masked_at_plan = masked
         next_commits = sampler.next_commits(self.state) if self.cache.needs_next_commits else None
         return lo, hi, self.cache.plan(self.runner.kv, caches.PlanContext(
@@ -216,20 +229,21 @@ class Batch:
             end=end, lo=lo, hi=hi, shift=cfg.logit_shift, family=self.family))
 
     def _open_rows(self, start: int, end: int, again: Tensor | None = None) -> Tensor:
-        """[B] rows with a mask left in the block, or (token editing) asking for another step."""
-        masks_left = (self.canvas.tokens[:, start:end] == self.model.config.mask_id).any(1) & self.unfinished
+        """[B] rows with an uncommitted position left in the block, or (token editing) asking for another step."""
+        masks_left = self.canvas.pending(slice(start, end)).any(1) & self.unfinished
         return masks_left if again is None else masks_left | (again & self.unfinished)
 
     def _context(self, logits: Tensor, step: int, start: int, end: int, lo: int, hi: int,
                  open_now: list[bool]) -> samplers_mod.StepContext:
-        """What the sampler sees at this step: the window's logits, which positions it may commit (masked, in the
-        block, of an unfinished row) or rewrite (`edits`), and the progress of the block and the generation."""
+        """What the sampler sees at this step: the window's logits, which positions it may commit (not yet
+        committed, in the block, of an unfinished row) or rewrite (`edits`), and the progress of the block and the
+        generation."""
         canvas, sampler = self.canvas, self.sampler
         masked = self.masked_at_plan[:, lo:hi] & self.unfinished[:, None]  # the forward left the tokens as planned
         positions, in_block = self._window(lo, hi, start, end)
         editable = None
         if sampler.edits:  # decoded answer tokens of this block; never the prompt (its tail shares the block)
-            decoded = (canvas.tokens[:, lo:hi] != self.model.config.mask_id) & self.unfinished[:, None]
+            decoded = ~self.masked_at_plan[:, lo:hi] & self.unfinished[:, None]
             editable = decoded & in_block & (positions >= canvas.gen_start[:, None])
         return samplers_mod.StepContext(
             logits=logits, eligible=masked & in_block, masked=masked, positions=positions, canvas=canvas.tokens,
@@ -274,13 +288,20 @@ class Batch:
         if not isinstance(out, samplers_mod.Commit):
             raise DllmError(f"sampler {self.sampler.name!r} returned {type(out).__name__} from step; return a "
                             f"Commit(mask, tokens, confidence)")
-        tokens = self.canvas.tokens
+        canvas = self.canvas
+        tokens = canvas.tokens
         commit = out.mask & ctx.masked
         # a row with eligible positions and none of them committed; a scalar, read with the step's one device wait
         stalled = ((ctx.eligible.any(1) > (commit & ctx.eligible).any(1)).any() if not self.sampler.may_commit_nothing
                    else self.never)
         written = commit if ctx.editable is None or out.edit is None else commit | (out.edit & ctx.editable)
-        tokens[:, lo:hi] = torch.where(written, out.tokens, tokens[:, lo:hi])
+        new = out.tokens
+        if out.draft is not None:  # positions that stay uncommitted take the draft (a uniform-state canvas renoised)
+            written, new = ctx.masked, torch.where(commit, out.tokens, out.draft)
+        tokens[:, lo:hi] = torch.where(written, new, tokens[:, lo:hi])
+        if canvas.uncommitted is not None:  # a fresh tensor: the last plan's copy stays as it was
+            canvas.uncommitted = canvas.uncommitted.clone()
+            canvas.uncommitted[:, lo:hi] &= ~commit
         if out.verified is None:
             return commit, [stalled], None
         draft, draft_logits = self.runner.adopt(out.verified)
@@ -322,7 +343,7 @@ def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache
     the final canvas, statistics and (optionally) a per-step trace. `profile` times every forward (synchronizing
     the device) into `stats.forward_seconds` by kind: `full` (every canvas row computed), `cached` (the other
     rows read from the cache), `verify` (draft batches). See `Batch` for `callback` and `compile`."""
-    steps_per_block = check_lengths(gen_length, block_length, steps)
+    steps_per_block = check_lengths(gen_length, block_length, steps, uniform=model.config.mask_id is None)
     Canvas.check(model, prompts, gen_length)  # every prompt's error before any work
     batch = Batch(model, sampler, cache, block_length, steps_per_block, stop_early, trace, profile, callback, compile)
     for ids, row_seed in zip(prompts, seed if isinstance(seed, list) else [seed] * len(prompts)):

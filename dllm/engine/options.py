@@ -1,5 +1,5 @@
-"""What a call decodes with: keyword parameters routed to the sampler or the cache, the default cache, and the
-lengths (the caller's, else the model's `generation_config.json`, else ours)."""
+"""What a call decodes with: keyword parameters routed to the sampler or the cache, the default sampler and cache,
+and the lengths (the caller's, else the model's `generation_config.json`, else its family's, else ours)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 from .. import cache as caches
 from .. import samplers as samplers_mod
 from ..core.errors import DllmError
-from ..models import DiffusionLM
+from ..models import ARCHITECTURES_BY_NAME, DiffusionLM
 from .checks import check_lengths
 
 if TYPE_CHECKING:
@@ -39,6 +39,34 @@ def split_params(sampler: str | Sampler, cache: str | Cache, params: dict[str, A
     return samplers_mod.SAMPLERS.create(sampler, **s_args), caches.CACHES.create(cache, **c_args)
 
 
+DEFAULT_SAMPLER = "low_confidence"
+
+
+def family_decoding(model: DiffusionLM) -> dict[str, Any]:
+    """How the model's family decodes where ours would not fit it (DiffusionGemma: `diffusion_gemma.decoding`,
+    over the keys of its generation_config.json): `sampler`, `sampler_args`, `block_length`, `steps_per_block`,
+    `gen_length`; else {}."""
+    decoding = getattr(ARCHITECTURES_BY_NAME[model.config.arch], "decoding", None)
+    return {} if decoding is None else decoding(model.config, getattr(model, "generation_defaults", {}))
+
+
+def model_sampler(model: DiffusionLM, sampler: str | Sampler | None, sampler_args: dict[str, Any] | None
+                  ) -> tuple[str | Sampler, dict[str, Any] | None]:
+    """The sampler to decode with, the caller's or else the family's (DiffusionGemma: entropy_bound) or ours, and
+    its arguments: for the family's sampler named by name, those the model's generation_config.json sets under the
+    caller's."""
+    family = family_decoding(model)
+    sampler = family.get("sampler", DEFAULT_SAMPLER) if sampler is None else sampler
+    from_file = family.get("sampler_args")
+    if from_file and sampler == family["sampler"] and (sampler_args is None or isinstance(sampler_args, dict)):
+        try:
+            samplers_mod.SAMPLERS.create(sampler, **from_file)
+        except DllmError as e:
+            raise DllmError(f"{e} (from the model's generation_config.json)") from None
+        sampler_args = {**from_file, **(sampler_args or {})}
+    return sampler, sampler_args
+
+
 def default_cache(model: DiffusionLM) -> str:
     """The cache used when none is named: on a block-causal or causal-prefix model the exact finished-block cache
     (the tokens of recomputing everything, far fewer rows computed), else none (the papers' vanilla decoding)."""
@@ -53,9 +81,9 @@ DEFAULT_BLOCK_LENGTH = 32
 def decoding_lengths(model: DiffusionLM, gen_length: int | None = None, block_length: int | None = None,
                      steps: int | None = None) -> dict[str, int | None]:
     """gen_length, block_length and steps to decode with: the caller's, else the model directory's
-    (`generation_config.json`), else ours (block_length: a block-causal model's attention block). Validated, so a
-    bad value fails before any work."""
-    own, from_file = getattr(model, "generation_defaults", {}), []
+    (`generation_config.json`), else its family's (`family_decoding`), else ours (block_length: a block-causal
+    model's attention block). Validated, so a bad value fails before any work."""
+    own, from_file, family = getattr(model, "generation_defaults", {}), [], family_decoding(model)
 
     def from_own(name: str, given):
         if given is None and name in own:
@@ -64,19 +92,22 @@ def decoding_lengths(model: DiffusionLM, gen_length: int | None = None, block_le
         return given
 
     gen_length = from_own("gen_length", gen_length)
-    gen_length = DEFAULT_GEN_LENGTH if gen_length is None else gen_length
+    gen_length = family.get("gen_length", DEFAULT_GEN_LENGTH) if gen_length is None else gen_length
     block_length = from_own("block_length", block_length)
     if block_length is None:  # a block-causal model decodes in its attention blocks; others in blocks of 32, or
         # of the largest size below that divides the answer (gen_length 48 alone: blocks of 24)
-        block_length = model.config.block_size or _default_block(gen_length)
+        block_length = family.get("block_length") or model.config.block_size or _default_block(gen_length)
     if "gen_length" in from_file:  # the file's steps belong to the file's length
         steps = from_own("steps", steps)
     try:
-        check_lengths(gen_length, block_length, steps, model_block=block_length == model.config.block_size)
+        check_lengths(gen_length, block_length, steps, model_block=block_length == model.config.block_size,
+                      uniform=model.config.mask_id is None)
     except DllmError as e:
         if not from_file:
             raise
         raise DllmError(f"{e} ({' and '.join(from_file)} from the model's generation_config.json)") from None
+    if steps is None and "steps_per_block" in family:
+        steps = family["steps_per_block"] * (gen_length // block_length)
     return {"gen_length": gen_length, "block_length": block_length, "steps": steps}
 
 
@@ -95,5 +126,5 @@ def lengths_for_answer(lengths: dict[str, int | None], max_tokens: int | None) -
         lengths["gen_length"] = new = -(-int(max_tokens) // block) * block
         if steps is not None:
             blocks = new // block
-            lengths["steps"] = min(new, max(1, round(steps * new / gen / blocks)) * blocks)
+            lengths["steps"] = max(1, round(steps * new / gen / blocks)) * blocks
     return lengths

@@ -11,7 +11,6 @@ from torch import Tensor
 
 from .. import cache as caches
 from ..models import DiffusionLM, Rows
-from ..models.transformer import visible_keys
 from .canvas import Canvas
 from .stats import Stats
 
@@ -48,9 +47,11 @@ class Runner:
         if self.graphed and isinstance(store, caches.KVStore):
             store_lender(self.model).give_back(store.tensors)
 
-    def forward(self, lo: int, hi: int, rows: Rows, tokens: Tensor | None = None, kv=None) -> Tensor:
+    def forward(self, lo: int, hi: int, rows: Rows, tokens: Tensor | None = None, kv=None,
+                inputs: dict | None = None) -> Tensor:
         """Logits of canvas positions `[lo, hi)` for every row of `tokens` (default: the canvas; or copies of
-        it, drafts), computing `rows` against the store `kv` (default: the generation's)."""
+        it, drafts), computing `rows` against the store `kv` (default: the generation's); `inputs`: the sampler's
+        further keywords of `model.run` (`Sampler.model_inputs`)."""
         model, canvas, cfg = self.model, self.canvas, self.model.config
         tokens = canvas.tokens if tokens is None else tokens
         kv = self.kv if kv is None else kv
@@ -67,18 +68,19 @@ class Runner:
             key_mask = key_mask[..., rows.index]
         query_positions = caches.gather_rows(positions, rows)
         window = (positions[:, lo], positions[:, hi - 1] + 1) if cfg.causal_prefix else None  # decoded this step
-        key_mask = visible_keys(cfg, query_positions, positions if self.cache.stores_kv else query_positions,
-                                key_mask, window)
+        key_mask = model.visible_keys(query_positions, positions if self.cache.stores_kv else query_positions,
+                                      key_mask, window)
         began = clock(model.device) if self.profile else 0.0
         if self.graphed:
             torch.compiler.cudagraph_mark_step_begin()  # the last replay's outputs are no longer read
         logits = self.run(caches.gather_rows(tokens, rows), query_positions, key_mask, kv, rows,
-                          slots if rows.is_slice else slots.clamp(min=0))
+                          slots if rows.is_slice else slots.clamp(min=0), **(inputs or {}))
         if self.graphed:
             logits = logits.clone()
         if not rows.is_slice and rows.index.dim() == 2:  # rows served from the store predict nothing this step
             logits[slots < 0] = 0.0
-        logits[..., cfg.mask_id] = float("-inf")  # a committed position must never stay masked
+        if cfg.mask_id is not None:
+            logits[..., cfg.mask_id] = float("-inf")  # a committed position must never stay masked
         computed = rows.index.shape[-1] if not rows.is_slice else len(range(length)[rows.index])
         counter = self.kv  # drafts' forwards on a fork count into the generation's store
         before = counter.rows_per_layer[0]
@@ -144,9 +146,9 @@ def compiled_run(model: DiffusionLM):
         mode = "reduce-overhead" if model.device.type == "cuda" else None
         compiled = torch.compile(model.run, fullgraph=True, mode=mode)
 
-        def run(*args):
+        def run(*args, **kwargs):
             with _CONSTANT_FLOATS_LOCK, _CONSTANT_FLOATS:
-                return compiled(*args)
+                return compiled(*args, **kwargs)
         model._compiled_run = run
     return run
 
@@ -161,12 +163,12 @@ class StoreLender:
         self.free: list[list[Tensor]] = []
         self.keep = keep
 
-    def take(self, count: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> list[Tensor]:
-        """`count` zeroed tensors (`cache.zeros`' signature), a store returned before where they match."""
+    def take(self, shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> list[Tensor]:
+        """Zeroed tensors of `shapes` (`cache.zeros`' signature), a store returned before where they match."""
         for i, tensors in enumerate(self.free):
-            if len(tensors) == count and tensors[0].shape == shape and tensors[0].dtype == dtype:
+            if [t.shape for t in tensors] == [torch.Size(s) for s in shapes] and tensors[0].dtype == dtype:
                 return [t.zero_() for t in self.free.pop(i)]
-        tensors = caches.zeros(count, shape, dtype, device)
+        tensors = caches.zeros(shapes, dtype, device)
         for t in tensors:
             torch._dynamo.mark_static_address(t, guard=False)  # a graph input that keeps its address
         return tensors

@@ -4,6 +4,7 @@ weights, which the encoder shares (transformers ties them), plus the encoder's o
 tower and its projection are skipped (`SKIPPED_WEIGHTS`): a prompt holding the image token is refused."""
 from __future__ import annotations
 
+from ..core.errors import DllmError
 from .gemma import DiffusionGemma, GemmaConfig
 from .moe import MoEConfig, swiglu_names
 from .transformer import end_ids
@@ -40,6 +41,30 @@ WEIGHT_NAMES = {
 }
 # Not loaded: the vision tower, and copies of the decoder's weights under the encoder's names (tied in transformers)
 SKIPPED_WEIGHTS = ("model.encoder.vision_tower.", "model.encoder.embed_vision.", "model.encoder.language_model.")
+
+# generation_config.json keys of transformers' DiffusionGemmaGenerationConfig -> the entropy_bound sampler's parameters
+SAMPLER_KEYS = {"t_min": "t_min", "t_max": "t_max", "stability_threshold": "stability",
+                "confidence_threshold": "confidence"}
+GENERATION_KEYS = (*SAMPLER_KEYS, "max_denoising_steps", "sampler_config")  # kept as they are by the loader
+MAX_NEW_TOKENS, DENOISING_STEPS = 256, 48  # transformers' defaults where the file sets none
+
+
+def decoding(cfg: GemmaConfig, generation: dict) -> dict:
+    """How DiffusionGemma decodes when the caller does not say, as transformers' `generate` does over the
+    generation_config.json keys `generation` holds (`GENERATION_KEYS`; the others: entropy_bound's defaults, which
+    are transformers'): the sampler entropy_bound with the parameters the file sets, a block per canvas,
+    max_denoising_steps steps per block, 256 answer tokens in whole canvases."""
+    args = {ours: generation[key] for key, ours in SAMPLER_KEYS.items() if key in generation}
+    bound = generation.get("sampler_config")
+    if isinstance(bound, dict) and bound.get("entropy_bound") is not None:
+        args["bound"] = bound["entropy_bound"]
+    steps = generation.get("max_denoising_steps", DENOISING_STEPS)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise DllmError(f"generation_config.json: max_denoising_steps must be a positive integer, got {steps!r}; "
+                        f"fix or delete it")
+    return {"sampler": "entropy_bound", "sampler_args": args, "block_length": cfg.canvas_length,
+            "steps_per_block": steps, "gen_length": -(-MAX_NEW_TOKENS // cfg.canvas_length) * cfg.canvas_length}
+
 
 _SLIDING, _FULL = "sliding_attention", "full_attention"
 _ROPE = {_SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},  # transformers' defaults

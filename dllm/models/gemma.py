@@ -5,6 +5,9 @@ weight set run in two modes:
 - decoder: the canvas attends bidirectionally to `[committed keys ; canvas]` (in sliding layers only the last
   `sliding_window - 1` committed keys), from inputs mixed with the previous step's prediction (self-conditioning).
 
+The mode is a row's own (`Masks.decoder`), so one forward can encode a finished canvas and decode the next (the
+decode loop's block-start forward): encoder rows see only earlier keys, so they never read the decoder's.
+
 Layers are sliding (local RoPE, own V) or full (proportional RoPE on the first `full_rope_fraction` of frequency
 pairs, fewer and wider K/V heads, V = the raw K projection); q/k are RMS-normalised per head, v without a weight;
 attention is unscaled (scale 1). Every layer runs a dense GeGLU and a mixture of experts side by side (`moe.py`,
@@ -14,6 +17,7 @@ Gemma 2/3's `x * (1 + w)`. Logits are soft-capped: `cap * tanh(logits / cap)`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -117,8 +121,9 @@ class GemmaBlock(nn.Module):
     def heads(self, x: Tensor) -> Tensor:
         return x.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, key_mask: Tensor | None, kv: KVAccess | None,
-                rows: Rows, layer: int, decoder: bool) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, key_mask: Tensor, kv: KVAccess | None, rows: Rows,
+                layer: int, decoder: Tensor) -> Tensor:
+        """`decoder` `[B, A, 1]` bool: the rows in decoder mode (their layer scalar is the decoder's)."""
         h = self.attn_norm(x)
         raw_k = self.heads(self.k_proj(h))
         q = rope(self.q_norm(self.heads(self.q_proj(h))), cos, sin)
@@ -131,7 +136,7 @@ class GemmaBlock(nn.Module):
         x = x + self.attn_out_norm(self.o_proj(o.transpose(1, 2).flatten(2)))
         dense = self.mlp_out_norm(self.mlp(self.mlp_norm(x)))
         routed = self.moe_out_norm(self.moe(self.moe_norm(x), router_input=x))
-        return (x + self.ffn_out_norm(dense + routed)) * (self.decoder_scale if decoder else self.encoder_scale)
+        return (x + self.ffn_out_norm(dense + routed)) * torch.where(decoder, self.decoder_scale, self.encoder_scale)
 
 
 class SelfConditioning(nn.Module):
@@ -144,13 +149,27 @@ class SelfConditioning(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, "gelu_tanh")
         self.out_norm = Norm(cfg.hidden_size, cfg.rms_norm_eps, weighted=False)
 
-    def forward(self, x: Tensor, soft: Tensor | None) -> Tensor:
-        return self.out_norm(x if soft is None else x + self.mlp(self.norm(soft)))
+    def forward(self, x: Tensor, soft: Tensor | None, index: Tensor | None = None) -> Tensor:
+        """The decoder input of rows `x` `[B, A, D]`, `soft` `[B, C, D]` conditioning rows `index` `[B, C]` (None:
+        every row)."""
+        if soft is not None:
+            added = self.mlp(self.norm(soft))
+            x = x + added if index is None else x.scatter_add(1, index[..., None].expand_as(added), added)
+        return self.out_norm(x)
+
+
+class Masks(NamedTuple):
+    """What each query of a forward sees (bool `[B, 1, A, Lk]`) in sliding and in full layers, and which queries
+    decode (`[B, A]` bool: the canvas; the others encode)."""
+
+    sliding: Tensor
+    full: Tensor
+    decoder: Tensor
 
 
 class DiffusionGemma(Network):
-    """DiffusionGemma's text network. `run` computes rows in one mode against a cache's keys and values (the
-    contract of `DiffusionLM.run`, with the per-layer-kind masks of `visible_keys`)."""
+    """DiffusionGemma's text network. `run` computes rows, each in its mode, against a cache's keys and values (the
+    contract of `DiffusionLM.run`, with the per-layer-kind masks and modes of `visible_keys`)."""
 
     def __init__(self, cfg: GemmaConfig):
         super().__init__(cfg)
@@ -173,22 +192,28 @@ class DiffusionGemma(Network):
         return [self.config.kv_shape(i) for i in range(self.config.n_layers)]
 
     def visible_keys(self, query_positions: Tensor, key_positions: Tensor, key_mask: Tensor | None,
-                     decoder: bool) -> tuple[Tensor, Tensor]:
-        """Which keys each query sees in sliding and in full layers, bool `[B, 1, A, Lk]`, from RoPE positions
-        (`[B, A]` queries, `[B, Lk]` keys) and `key_mask` `[B, Lk]` (real tokens; None: all). Encoder: causal,
-        sliding layers the last `sliding_window` keys (itself included). Decoder (the queries are one canvas):
-        every key up to the canvas's end, sliding layers from `sliding_window - 1` before its start."""
+                     window: tuple[Tensor, Tensor] | None = None) -> Masks:
+        """`run`'s masks from RoPE positions (`[B, A]` queries, `[B, Lk]` keys), `key_mask` (real keys, broadcastable
+        to `[B, 1, 1, Lk]`; None: all) and the canvas being decoded, `window` = (first, end) positions `[B]` (None:
+        every query encodes). Encoder queries: causal, in sliding layers the last `sliding_window` keys (itself
+        included). Decoder queries (inside the window): every key before the window's end, in sliding layers from
+        `sliding_window - 1` before its start."""
         q, k = query_positions[:, None, :, None], key_positions[:, None, None, :]
-        window = self.config.sliding_window
-        if decoder:
-            full = k <= q.amax(2, keepdim=True)
-            sliding = full & (k >= q.amin(2, keepdim=True) - (window - 1))
+        span = self.config.sliding_window
+        full = k <= q
+        sliding = full & (k > q - span)
+        if window is None:
+            decoder = torch.zeros_like(query_positions, dtype=torch.bool)
         else:
-            full = k <= q
-            sliding = full & (k > q - window)
+            first, end = (bound[:, None, None, None] for bound in window)
+            inside = (q >= first) & (q < end)
+            decoder = inside[:, 0, :, 0]
+            full = full | (inside & (k < end))
+            sliding = torch.where(inside, (k < end) & (k >= first - (span - 1)), sliding)
         if key_mask is not None:
-            full, sliding = full & key_mask[:, None, None, :], sliding & key_mask[:, None, None, :]
-        return sliding, full
+            key_mask = key_mask.reshape(key_mask.shape[0], 1, 1, -1)
+            full, sliding = full & key_mask, sliding & key_mask
+        return Masks(sliding, full, decoder)
 
     def embed_scale(self) -> Tensor:
         """sqrt(hidden), rounded to the weights' type (53.0 in bf16 at 2816), as the embeddings are scaled."""
@@ -196,32 +221,32 @@ class DiffusionGemma(Network):
 
     def soft_embedding(self, logits: Tensor) -> Tensor:
         """The expected (scaled) embedding under softmax(logits) `[B, A, V]`: self-conditioning's input."""
-        return logits.float().softmax(-1).to(self.dtype) @ self.embed.weight * self.embed_scale()
+        probs = logits.to(self.dtype).softmax(-1, dtype=torch.float32)  # rounded to the weights' type first, as
+        # transformers' generate passes the logits on
+        return probs.to(self.dtype) @ self.embed.weight * self.embed_scale()
 
-    def run(self, tokens: Tensor, positions: Tensor, key_mask: tuple[Tensor | None, Tensor | None],
-            kv: KVAccess | None = None, rows: Rows | None = None, logit_rows: Tensor | None = None,
-            decoder: bool = True, self_conditioning: Tensor | None = None) -> Tensor:
-        """Push rows through the network in one mode.
+    def run(self, tokens: Tensor, positions: Tensor, key_mask: Masks, kv: KVAccess | None = None,
+            rows: Rows | None = None, logit_rows: Tensor | None = None,
+            self_conditioning: Tensor | None = None) -> Tensor:
+        """Push rows through the network, each in its mode (`key_mask.decoder`).
 
-        tokens, positions: `[B, A]` ids and RoPE positions. key_mask: `visible_keys`' pair (sliding, full) over
-        the keys the cache returns (or the rows themselves when kv is None). rows: which canvas rows they are
-        (for the cache; None = all). logit_rows: `[B, C]` indices into the rows whose logits are wanted (None =
-        all). decoder: the mode. self_conditioning: decoder only, the previous step's scaled logits `[B, A, V]`
-        of the same rows (None: the first step). Returns soft-capped fp32 logits `[B, C, V]`."""
-        if self_conditioning is not None and not decoder:
-            raise ValueError("self-conditioning is an input of the decoder mode only")
+        tokens, positions: `[B, A]` ids and RoPE positions. key_mask: `visible_keys`' masks over the keys the cache
+        returns (or the rows themselves when kv is None). rows: which canvas rows they are (for the cache; None =
+        all). logit_rows: `[B, C]` indices into the rows whose logits are wanted (None = all). self_conditioning:
+        the previous step's scaled logits `[B, C, V]` of those rows, which decode (None: a canvas's first step).
+        Returns soft-capped fp32 logits `[B, C, V]`."""
         rows = Rows(slice(0, tokens.shape[1])) if rows is None else rows
+        decoder = key_mask.decoder[..., None]
         x = self.embed(tokens) * self.embed_scale()
-        if decoder:
-            soft = None if self_conditioning is None else self.soft_embedding(self_conditioning)
-            x = self.self_conditioning(x, soft)
+        soft = None if self_conditioning is None else self.soft_embedding(self_conditioning)
+        x = torch.where(decoder, self.self_conditioning(x, soft, logit_rows), x)
         sliding = rope_tables(positions, self.sliding_inv_freq)
         full = rope_tables(positions, self.full_inv_freq)
         for i, layer in enumerate(self.layers):
             if i in self.config.full_layers:
-                x = layer(x, *full, key_mask[1], kv, rows, i, decoder)
+                x = layer(x, *full, key_mask.full, kv, rows, i, decoder)
             else:
-                x = layer(x, *sliding, key_mask[0], kv, rows, i, decoder)
+                x = layer(x, *sliding, key_mask.sliding, kv, rows, i, decoder)
         if logit_rows is not None:
             x = x.gather(1, logit_rows[..., None].expand(-1, -1, x.shape[-1]))
         cap = self.config.logit_softcap

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -213,7 +214,7 @@ def load_dir(path: Path, device="cpu", dtype: torch.dtype | None = None):
         dtype = torch.float32 if torch.device(device).type == "cpu" else _checkpoint_dtype(hf, path)
     model = build_model(cfg, device, dtype)
     load_weights(model, path, arch.WEIGHT_NAMES, getattr(arch, "SKIPPED_WEIGHTS", ()))
-    model.generation_defaults = generation_defaults(generation, path)
+    model.generation_defaults = generation_defaults(generation, path, getattr(arch, "GENERATION_KEYS", ()))
     return model.eval(), tokenizer
 
 
@@ -241,11 +242,12 @@ def generation_stop_ids(hf: dict, path: Path) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def generation_defaults(hf: dict, path: Path) -> dict[str, int | bool | str | list[str]]:
+def generation_defaults(hf: dict, path: Path, family_keys: tuple[str, ...] = ()) -> dict[str, Any]:
     """The decoding defaults a checkpoint directory carries in `generation_config.json` (read as `hf`; they win
-    over ours), and ours: `multi_turn` (false for a model trained on single turns: `dllm chat` then starts every
+    over ours), ours: `multi_turn` (false for a model trained on single turns: `dllm chat` then starts every
     turn afresh), `prompt_formats` (regular expressions of the prompts it was trained on: others get a notice)
-    and `trained_on` (the same in words)."""
+    and `trained_on` (the same in words), and the keys its family reads (`family_keys`, as they are:
+    DiffusionGemma's `decoding`)."""
     file = path / "generation_config.json"
     out = {ours: hf[key] for key, ours in GENERATION_KEYS.items() if hf.get(key) is not None}
     if "gen_length" not in out:  # steps only mean something with the length they were chosen for
@@ -263,7 +265,7 @@ def generation_defaults(hf: dict, path: Path) -> dict[str, int | bool | str | li
             raise DllmError(f"{file}: {name} must be {kind}, got {hf[name]!r}; fix or delete it")
         if name in hf:
             out[name] = hf[name]
-    return out
+    return {**out, **{key: hf[key] for key in family_keys if hf.get(key) is not None}}
 
 
 def _regexes(value) -> bool:

@@ -89,6 +89,12 @@ class ModelConfig:
         return self.head_size or self.hidden_size // self.n_heads
 
     @property
+    def placeholder_id(self) -> int:
+        """What an answer position holds before its block is decoded: the mask, or on a uniform-state model (whose
+        sampler draws each block's random canvas) the pad."""
+        return self.pad_id if self.mask_id is None else self.mask_id
+
+    @property
     def rope_dim(self) -> int:
         return self.rotary_dim or self.head_dim
 
@@ -381,6 +387,15 @@ class DiffusionLM(Network):
     def init_buffers(self) -> None:
         super().init_buffers()
         self.inv_freq = rope_frequencies(self.config, self.inv_freq.device)
+
+    def kv_shapes(self) -> list[tuple[int, int]]:
+        """Key/value heads and head size of every layer (a cache's store is shaped by them)."""
+        return [(self.config.n_kv_heads, self.config.head_dim)] * self.config.n_layers
+
+    def visible_keys(self, query_positions: Tensor, key_positions: Tensor, key_mask: Tensor | None,
+                     window: tuple[Tensor, Tensor] | None = None) -> Tensor | None:
+        """`run`'s key mask: `visible_keys` of this network's config."""
+        return visible_keys(self.config, query_positions, key_positions, key_mask, window)
 
     def rope_tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos and the signed sin `[B, 1, A, R]` of `rope` for `[B, A]` positions, times YaRN's attention factor.
