@@ -1,7 +1,9 @@
 """Nemotron-Labs-Diffusion (issue #37, second part): the backbone equals transformers' Ministral 3 (YaRN RoPE, the
 per-position query scale) under the same masks, loaded from a `save_pretrained` directory through our loader with
 the released names; decoding equals a transcription of NVIDIA's and vLLM's block loop (causal prefix, each block
-of 32 all-mask and denoised bidirectionally) run on transformers' network; every exact cache gives its tokens."""
+of 32 all-mask and denoised bidirectionally) and of NVIDIA's causal_context loop (each block's first token the
+causal next-token prediction; `causal_first`, this family's default) run on transformers' network; every exact
+cache gives its tokens."""
 import dataclasses
 import json
 import math
@@ -287,6 +289,27 @@ def test_causal_first_is_refused_on_a_model_without_a_causal_prefix(preset, kind
     with pytest.raises(DllmError, match=rf"^sampler 'threshold' cannot decode {kind}: causal_first reads the causal "
                                         r"next-token prediction .* causal-prefix model .*; drop causal_first$"):
         decode(random_model(preset), PROMPTS, sampler, caches.CACHES.create("none"), 32, 32)
+
+
+def test_nemotron_decodes_with_the_causal_first_token_by_default(tiny, capsys):
+    """NVIDIA's `generate_diffusion` defaults to causal_context=True: with no flags a Nemotron-Labs-Diffusion model
+    decodes with `causal_first` (the caller can turn it off); other families keep it off."""
+    from dllm.cli import main
+
+    model, tok = dllm.load("random:nemotron-diffusion-tiny")
+    plain = dllm.generate(model, tok, "abc", chat=False)
+    explicit = dllm.generate(model, tok, "abc", chat=False, causal_first=True)
+    off = dllm.generate(model, tok, "abc", chat=False, causal_first=False)
+    assert plain.sampler["causal_first"] and not off.sampler["causal_first"]
+    assert plain.token_ids == explicit.token_ids != off.token_ids
+    assert main(["generate", "--model", "random:nemotron-diffusion-tiny", "--no-chat", "abc", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["sampler"]["causal_first"] and printed["outputs"][0]["token_ids"] == plain.token_ids[0]
+    assert main(["generate", "--model", "random:nemotron-diffusion-tiny", "--no-chat", "abc", "--json",
+                 "--sampler-arg", "causal_first=false"]) == 0
+    assert json.loads(capsys.readouterr().out)["outputs"][0]["token_ids"] == off.token_ids[0]
+    llada, llada_tok = dllm.load("random:llada-tiny")
+    assert not dllm.generate(llada, llada_tok, "abc", chat=False, gen_length=32).sampler["causal_first"]
 
 
 @pytest.fixture(scope="module")
