@@ -293,7 +293,8 @@ def test_causal_first_is_refused_on_a_model_without_a_causal_prefix(preset, kind
 
 def test_nemotron_decodes_with_the_causal_first_token_by_default(tiny, capsys):
     """NVIDIA's `generate_diffusion` defaults to causal_context=True: with no flags a Nemotron-Labs-Diffusion model
-    decodes with `causal_first` (the caller can turn it off); other families keep it off."""
+    decodes with `causal_first` through the API, the CLI and the server (the caller can turn it off); other
+    families keep it off."""
     from dllm.cli import main
 
     model, tok = dllm.load("random:nemotron-diffusion-tiny")
@@ -308,6 +309,12 @@ def test_nemotron_decodes_with_the_causal_first_token_by_default(tiny, capsys):
     assert main(["generate", "--model", "random:nemotron-diffusion-tiny", "--no-chat", "abc", "--json",
                  "--sampler-arg", "causal_first=false"]) == 0
     assert json.loads(capsys.readouterr().out)["outputs"][0]["token_ids"] == off.token_ids[0]
+    from dllm.serve.requests import RequestReader
+
+    served = RequestReader(model, tok, "nemotron", {"sampler": "threshold", "cache": "block", "sampler_args": {},
+                                                    "cache_args": {}, "seed": 0})
+    assert served.job({"prompt": "abc"}, chat=False).sampler.causal_first
+    assert not served.job({"prompt": "abc", "causal_first": False}, chat=False).sampler.causal_first
     llada, llada_tok = dllm.load("random:llada-tiny")
     assert not dllm.generate(llada, llada_tok, "abc", chat=False, gen_length=32).sampler["causal_first"]
 
