@@ -208,4 +208,4 @@ class CausalFirst(Sampler):
         if self.causal_first and not (config.causal_prefix and not config.logit_shift):
             return ("causal_first reads the causal next-token prediction of the row before each block, which only a "
                     "causal-prefix model (Nemotron-Labs-Diffusion) computes; drop causal_first")
-        return None
+        return super().check_model(config)
