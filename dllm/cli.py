@@ -15,7 +15,7 @@ from dllm import samplers as samplers_mod
 
 from .core.checks import check_seed
 from .core.errors import DllmError, one_line_notice
-from .engine.options import decoding_lengths, default_cache, model_sampler
+from .engine.options import decoding_lengths, default_cache, family_sampler_args, model_sampler
 from .engine.text import check_plain_text
 
 DEFAULT_MODEL = "tiny-llada"
@@ -58,7 +58,8 @@ def _add_decoding_flags(p: argparse.ArgumentParser) -> None:
 def _policies(args, model=None) -> tuple[Any, Any]:
     """The sampler and cache of the flags, checked before the model loads; no --sampler gives None until then, and
     given the `model` its family's (`engine.options.model_sampler`: DiffusionGemma's entropy_bound, with its
-    generation_config.json's parameters under the flags'); no --cache gives None, the model's default
+    generation_config.json's parameters under the flags'), with the family's defaults for any sampler under the
+    flags (`family_sampler_args`: Nemotron's causal_first); no --cache gives None, the model's default
     (`engine.default_cache`), which `generate` and `evaluate` take themselves."""
     sampler_args = _key_values(args.sampler_arg, "--sampler-arg")
     if args.temperature is not None:
@@ -66,6 +67,7 @@ def _policies(args, model=None) -> tuple[Any, Any]:
     name = args.sampler
     if model is not None:
         name, sampler_args = model_sampler(model, name, sampler_args)
+        sampler_args = {**family_sampler_args(model, name), **sampler_args}
     sampler = None if name is None else samplers_mod.SAMPLERS.create(name, **sampler_args)
     cache_args = _key_values(args.cache_arg, "--cache-arg")
     if args.cache is None and cache_args:
@@ -126,7 +128,7 @@ def _generate(args) -> int:
         raise DllmError("no prompt given; pass PROMPT arguments or pipe prompts on stdin, one per line")
     if args.trace is not None:
         _check_writable_file(args.trace, "--trace")
-    _policies(args)
+    _policies(args)  # bad flags fail before the model loads
     model, tok = dllm.load(args.model, device=args.device, dtype=args.dtype, threads=args.threads)
     sampler, cache = _policies(args, model)
     lengths = decoding_lengths(model, args.gen_length, args.block_length, args.steps)
@@ -158,7 +160,7 @@ def _chat(args) -> int:
     if args.chat is False:
         raise DllmError("dllm chat always uses the chat template; drop --no-chat (dllm generate --no-chat sends raw "
                         "text)")
-    _policies(args)
+    _policies(args)  # bad flags fail before the model loads
     model, tok = dllm.load(args.model, device=args.device, dtype=args.dtype, threads=args.threads)
     sampler, cache = _policies(args, model)
     if getattr(tok, "chat_template", None) is None:
@@ -228,7 +230,7 @@ def _run_eval(args) -> int:
         if args.temperature is not None:
             sampler_args["temperature"] = args.temperature
         cache_args = _key_values(args.cache_arg, "--cache-arg")
-        _policies(args)
+        _policies(args)  # bad flags fail before the model loads
         device = f"cuda:{state.local_process_index}" if args.device == "cuda" else args.device  # one GPU each
         model, tok = dllm.load(args.model, device=device, dtype=args.dtype, threads=args.threads)
         sampler, cache = _policies(args, model)
@@ -278,7 +280,7 @@ def _bench(args) -> int:
         if value < 1:
             raise DllmError(f"{flag} must be at least 1, got {value}")
     check_seed(args.seed)
-    _policies(args)
+    _policies(args)  # bad flags fail before the model loads
     model, tok = dllm.load(args.model, device=args.device, dtype=args.dtype, threads=args.threads)
     sampler, cache = _policies(args, model)
     sampler.prepare(tok)  # e.g. AdaBlock's delimiter ids

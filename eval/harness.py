@@ -60,7 +60,7 @@ def evaluate(model, tokenizer, task: str, sampler: str | Any = "low_confidence",
                               "batch_size": batch_size, "gold": gold}
     if not gold:
         sampler, cache = split_params(sampler, default_cache(model) if cache is None else cache, {}, sampler_args,
-                                      cache_args)
+                                      cache_args, model)
         check_policies(model, sampler, cache, compile)
         check_seed(seed)
         chat = getattr(tokenizer, "chat_template", None) is not None if chat is None else chat

@@ -97,6 +97,8 @@ class DllmLM(LM):
             device = f"cuda:{state.local_process_index}"
         self.model, self.tokenizer = dllm.load(model, device=device, dtype=dtype,
                                                threads=None if threads is None else _number("threads", threads, int))
+        # the sampler again, with the model family's defaults (`family_sampler_args`)
+        self.sampler = split_params(sampler, "none" if cache is None else cache, params, model=self.model)[0]
         self._device = self.model.device
         if self._world_size > 1:
             from accelerate import Accelerator

@@ -79,7 +79,7 @@ def run_sweep(model, tokenizer, task: str, points: list[str], output: str | Path
         point_sampler = point.pop("sampler", sampler)
         point_cache = point.pop("cache", cache)
         s, c = split_params(point_sampler, point_cache, point, sampler_args if point_sampler == sampler else None,
-                            cache_args if point_cache == cache else None)
+                            cache_args if point_cache == cache else None, model)
         check_policies(model, s, c, eval_args.get("compile", False))
         policies.append((spec, s, c))
     # a warm-up decode, so that the first point's tokens/s does not pay for it

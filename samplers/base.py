@@ -7,7 +7,7 @@ confidences are softmax probabilities over the other tokens. The references use 
 propose MASK, and "committing" it leaves the position masked."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any, Callable, ClassVar
 
@@ -168,3 +168,44 @@ def quota(ctx: StepContext) -> Tensor:
     left = ctx.eligible.sum(1)
     steps_left = max(ctx.steps - ctx.step, 1)
     return (left + steps_left - 1) // steps_left
+
+
+@dataclass
+class CausalFirst(Sampler):
+    """A selection rule (`choose`) with NVIDIA's causal first token as an option (`causal_first`;
+    Nemotron-Labs-Diffusion's `generate_with_prefix_cache_block_diff(causal_context=True)`): a block starts with
+    its first position set to the causal next-token prediction, and the rule denoises the rest.
+
+    Step 0 reads one more row, the one before the block (`logit_window`); the loop computes it causally (it lies
+    outside the block), so its logits are the causal prediction after the prompt's last token or the finished
+    block's (whose keys and values that forward re-encodes causally: NVIDIA's commit forward folded in). Step 0
+    commits only the block's first position, drawn from that row; from step 1 on the rule runs one step late,
+    so its schedule spreads the remaining masks over the block's `steps` as NVIDIA's does (steps left
+    `steps - step + 1`)."""
+
+    causal_first: bool = param(False, "commit each block's first token from the causal next-token prediction at "
+                                      "its first step (Nemotron-Labs-Diffusion's causal_context)")
+
+    def choose(self, ctx: StepContext) -> Commit:
+        """The selection rule at one step."""
+        raise NotImplementedError
+
+    def step(self, ctx: StepContext) -> Commit:
+        if not self.causal_first:
+            return self.choose(ctx)
+        if ctx.step > 0:
+            return self.choose(replace(ctx, step=ctx.step - 1))
+        causal = ctx.logits[:, :1]  # the row before the block
+        drawn = gumbel_argmax(causal, self.temperature, ctx.generators)  # [B, 1]
+        width = ctx.positions.shape[0]
+        return Commit(ctx.eligible & (ctx.positions == ctx.block_start), drawn.expand(-1, width),
+                      token_probability(causal, drawn).expand(-1, width))
+
+    def logit_window(self, prompt_length: int, length: int, start: int, end: int, step: int) -> tuple[int, int]:
+        return (start - 1, end) if self.causal_first and step == 0 else (start, end)
+
+    def check_model(self, config: Any) -> str | None:
+        if self.causal_first and not (config.causal_prefix and not config.logit_shift):
+            return ("causal_first reads the causal next-token prediction of the row before each block, which only a "
+                    "causal-prefix model (Nemotron-Labs-Diffusion) computes; drop causal_first")
+        return super().check_model(config)

@@ -8,7 +8,7 @@ import torch
 from dllm.core.params import param
 
 from . import register
-from .base import Commit, Sampler, StepContext, gumbel_argmax, quota, token_probability, top_k_per_row
+from .base import CausalFirst, Commit, Sampler, StepContext, gumbel_argmax, quota, token_probability, top_k_per_row
 from .fastdllm import threshold_commit
 
 
@@ -44,12 +44,12 @@ class LowConfidenceDynamic(Sampler):
 
 @register("leftmost")
 @dataclass
-class Leftmost(Sampler):
+class Leftmost(CausalFirst):
     """vLLM's `selection_policy=leftmost` for Nemotron-Labs-Diffusion (PR 48279, `_compiled_masked_step`): the
     scheduled number of masked positions (LLaDA's even schedule), leftmost first whatever their confidence, so a
     block is revealed left to right as a policy's per-token log-probabilities assume."""
 
-    def step(self, ctx: StepContext) -> Commit:
+    def choose(self, ctx: StepContext) -> Commit:
         tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generators)
         first = ctx.eligible & (ctx.eligible.long().cumsum(1) <= quota(ctx)[:, None])
         return Commit(first, tokens, token_probability(ctx.logits, tokens))

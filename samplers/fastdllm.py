@@ -8,7 +8,7 @@ import torch
 from dllm.core.params import param
 
 from . import register
-from .base import (Commit, Sampler, StepContext, gumbel_argmax, most_confident, token_probability,
+from .base import (CausalFirst, Commit, Sampler, StepContext, gumbel_argmax, most_confident, token_probability,
                    top_k_per_row)
 
 
@@ -24,13 +24,13 @@ def _ranked(confidence, eligible):
 
 @register("threshold")
 @dataclass
-class Threshold(Sampler):
+class Threshold(CausalFirst):
     """Fast-dLLM threshold rule: commit every masked block position with confidence >= threshold, and always
     the most confident one."""
 
     threshold: float = param(0.9, "commit positions whose probability reaches this (> 1 = one per step)", ge=0.0)
 
-    def step(self, ctx: StepContext) -> Commit:
+    def choose(self, ctx: StepContext) -> Commit:
         tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generators)
         confidence = token_probability(ctx.logits, tokens)
         return Commit(threshold_commit(confidence, ctx.eligible, self.threshold), tokens, confidence)

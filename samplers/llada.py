@@ -9,15 +9,16 @@ import torch
 from torch import Tensor
 
 from . import register
-from .base import Commit, Sampler, StepContext, gumbel_argmax, quota, token_probability, top_k_per_row, uniform
+from .base import (CausalFirst, Commit, Sampler, StepContext, gumbel_argmax, quota, token_probability,
+                   top_k_per_row, uniform)
 
 
 @register("low_confidence")
 @dataclass
-class LowConfidence(Sampler):
+class LowConfidence(CausalFirst):
     """LLaDA low-confidence remasking: commit the scheduled number of most probable predictions."""
 
-    def step(self, ctx: StepContext) -> Commit:
+    def choose(self, ctx: StepContext) -> Commit:
         tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generators)
         confidence = token_probability(ctx.logits, tokens)
         return Commit(top_k_per_row(confidence, ctx.eligible, quota(ctx)), tokens, confidence)

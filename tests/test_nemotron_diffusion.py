@@ -1,7 +1,9 @@
 """Nemotron-Labs-Diffusion (issue #37, second part): the backbone equals transformers' Ministral 3 (YaRN RoPE, the
 per-position query scale) under the same masks, loaded from a `save_pretrained` directory through our loader with
 the released names; decoding equals a transcription of NVIDIA's and vLLM's block loop (causal prefix, each block
-of 32 all-mask and denoised bidirectionally) run on transformers' network; every exact cache gives its tokens."""
+of 32 all-mask and denoised bidirectionally) and of NVIDIA's causal_context loop (each block's first token the
+causal next-token prediction; `causal_first`, this family's default) run on transformers' network; every exact
+cache gives its tokens."""
 import dataclasses
 import json
 import math
@@ -198,13 +200,134 @@ def test_decoding_equals_nvidia_block_loop_on_ministral3(reference, rule, steps,
         assert got == want, cache
 
 
+def causal_next_token(ref, x: list[int]) -> int:
+    """The argmax of the last row of a causal forward of `x` (NVIDIA's prefill and per-block commit forward)."""
+    with torch.no_grad():
+        logits = ref(input_ids=torch.tensor([x])).logits[0, -1].float()
+    logits[MASK] = float("-inf")
+    return int(logits.argmax())
+
+
+def nvidia_causal_context_loop(ref, prompt: list[int], gen: int, steps_per_block: int, rule: str,
+                               threshold: float = 0.0, block: int = 32) -> tuple[list[int], int]:
+    """NVIDIA's `generate_with_prefix_cache_block_diff` with `causal_context=True` (what its `generate_diffusion`
+    does by default), at T = 0: the prompt prefilled causally, its last row's argmax the first block's first
+    token; each block that token and `block - 1` masks, denoised by at most `steps_per_block` forwards over
+    [causal prefix; block], the block's rows bidirectional, committing per step k masks, k from the even schedule
+    of the block's masks fixed at its start (`get_num_transfer_tokens`): the k most confident (low_confidence), the
+    first k (leftmost: vLLM's rule, with NVIDIA's first token), or every mask with confidence >= threshold and
+    always the best (threshold); then the finished block encoded causally, its last row's argmax the next block's
+    first token. The prefix is recomputed causally instead of cached (the same keys). Returns the answer and the
+    forwards run."""
+    x, forwards = list(prompt), 1
+    first = causal_next_token(ref, x)
+    for _ in range(gen // block):
+        start = len(x)
+        x += [first] + [MASK] * (block - 1)
+        share, larger = divmod(block - 1, steps_per_block)
+        for k in [share + (i < larger) for i in range(steps_per_block)]:
+            masked = [i for i in range(start, len(x)) if x[i] == MASK]
+            if not masked:
+                break
+            mask = causal(len(x))
+            mask[start:] = True  # the block's rows see the prefix and the whole block
+            with torch.no_grad():
+                logits = ref(input_ids=torch.tensor([x]), attention_mask=mask[None, None]).logits[0].float()
+            forwards += 1
+            logits[:, MASK] = float("-inf")
+            tokens = logits.argmax(-1)
+            confidence = logits.softmax(-1).gather(-1, tokens[:, None])[:, 0]
+            ranked = sorted(masked, key=lambda i: (-float(confidence[i]), i))
+            chosen = {"leftmost": masked[:k], "low_confidence": ranked[:k],
+                      "threshold": ranked[:1] + [i for i in ranked[1:] if confidence[i] >= threshold]}[rule]
+            for i in chosen:
+                x[i] = int(tokens[i])
+        first, forwards = causal_next_token(ref, x), forwards + 1
+    return x[len(prompt):], forwards
+
+
+@pytest.mark.parametrize("rule,steps,args", [("low_confidence", 64, {}), ("low_confidence", 16, {}),
+                                             ("leftmost", 16, {}), ("threshold", 64, {"threshold": 0.016})],
+                         ids=["low_confidence-32", "low_confidence-8", "leftmost-8", "threshold"])
+def test_causal_first_equals_nvidia_causal_context_loop_on_ministral3(reference, rule, steps, args):
+    """`causal_first`: every exact cache gives the reference loop's tokens for every prompt of a left-padded batch
+    (each reference run alone), 32 and 8 steps per block of 32. The first step's forward reads the row before the
+    block, computed causally (a causal next-token prediction), and on the block cache re-encodes the finished
+    block causally: NVIDIA's commit forward, folded in, so a block costs the reference's forwards and the last
+    block's commit is never run."""
+    ref, model = reference
+    sampler = samplers.SAMPLERS.create(rule, causal_first=True, **args)
+    want = [nvidia_causal_context_loop(ref, p, 64, steps // 2, rule, **args) for p in PROMPTS]
+    for cache in ("block", "none", "prefix", "dual"):
+        canvas, stats, _ = decode(model, PROMPTS, sampler, caches.CACHES.create(cache), 64, 32, steps,
+                                  stop_early=False)
+        got = [canvas.tokens[b, int(canvas.gen_start[b]):].tolist() for b in range(len(PROMPTS))]
+        assert got == [tokens for tokens, _ in want], cache
+        if rule != "threshold":  # the schedule fixes every row's forwards
+            assert stats.nfe == want[0][1] - 1 == 2 * (1 + min(steps // 2, 31))
+    all_mask = [nvidia_block_loop(ref, p, 64, steps // 2, rule, **args) for p in PROMPTS]
+    assert all_mask != [tokens for tokens, _ in want]
+
+
+@pytest.mark.parametrize("rule", ["low_confidence", "threshold"])
+def test_causal_first_sampled_rows_joining_between_blocks_equal_alone(tiny, rule):
+    """With temperature, rows joining and leaving a running batch between blocks (every row's first step reads
+    its own row before the block) give the tokens they give alone, on every cache fresh at a block start."""
+    from test_batching import GEN, PROMPTS as JOINING, alone, staggered
+
+    sampler = samplers.SAMPLERS.create(rule, causal_first=True, temperature=0.8)
+    for cache in ("block", "none", "dual"):
+        got, widest = staggered(tiny, sampler, caches.CACHES.create(cache))
+        want = [alone(tiny, sampler, caches.CACHES.create(cache), p, g, seed=i)
+                for i, (p, g) in enumerate(zip(JOINING, GEN))]
+        assert widest >= 2 and got == want, cache
+
+
+@pytest.mark.parametrize("preset,kind", [("llada-tiny", "llada"), ("sdar-tiny", "sdar")])
+def test_causal_first_is_refused_on_a_model_without_a_causal_prefix(preset, kind):
+    sampler = samplers.SAMPLERS.create("threshold", causal_first=True)
+    with pytest.raises(DllmError, match=rf"^sampler 'threshold' cannot decode {kind}: causal_first reads the causal "
+                                        r"next-token prediction .* causal-prefix model .*; drop causal_first$"):
+        decode(random_model(preset), PROMPTS, sampler, caches.CACHES.create("none"), 32, 32)
+
+
+def test_nemotron_decodes_with_the_causal_first_token_by_default(tiny, capsys):
+    """NVIDIA's `generate_diffusion` defaults to causal_context=True: with no flags a Nemotron-Labs-Diffusion model
+    decodes with `causal_first` through the API, the CLI and the server (the caller can turn it off); other
+    families keep it off."""
+    from dllm.cli import main
+
+    model, tok = dllm.load("random:nemotron-diffusion-tiny")
+    plain = dllm.generate(model, tok, "abc", chat=False)
+    explicit = dllm.generate(model, tok, "abc", chat=False, causal_first=True)
+    off = dllm.generate(model, tok, "abc", chat=False, causal_first=False)
+    assert plain.sampler["causal_first"] and not off.sampler["causal_first"]
+    assert plain.token_ids == explicit.token_ids != off.token_ids
+    assert main(["generate", "--model", "random:nemotron-diffusion-tiny", "--no-chat", "abc", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["sampler"]["causal_first"] and printed["outputs"][0]["token_ids"] == plain.token_ids[0]
+    assert main(["generate", "--model", "random:nemotron-diffusion-tiny", "--no-chat", "abc", "--json",
+                 "--sampler-arg", "causal_first=false"]) == 0
+    assert json.loads(capsys.readouterr().out)["outputs"][0]["token_ids"] == off.token_ids[0]
+    from dllm.serve.requests import RequestReader
+
+    served = RequestReader(model, tok, "nemotron", {"sampler": "threshold", "cache": "block", "sampler_args": {},
+                                                    "cache_args": {}, "seed": 0})
+    assert served.job({"prompt": "abc"}, chat=False).sampler.causal_first
+    assert not served.job({"prompt": "abc", "causal_first": False}, chat=False).sampler.causal_first
+    llada, llada_tok = dllm.load("random:llada-tiny")
+    assert not dllm.generate(llada, llada_tok, "abc", chat=False, gen_length=32).sampler["causal_first"]
+
+
 @pytest.fixture(scope="module")
 def tiny():
     return random_model("nemotron-diffusion-tiny", seed=1)
 
 
 @pytest.mark.parametrize("sampler,args", [("threshold", {"threshold": 0.3}), ("low_confidence", {}),
-                                          ("leftmost", {}), ("speculative", {})])
+                                          ("leftmost", {}), ("speculative", {}),
+                                          ("threshold", {"threshold": 0.3, "causal_first": True}),
+                                          ("low_confidence", {"causal_first": True})])
 def test_every_exact_cache_gives_the_same_tokens(tiny, sampler, args):
     def run(cache):
         return decode(tiny, PROMPTS, samplers.SAMPLERS.create(sampler, **args), caches.CACHES.create(cache), 64, 32)

@@ -38,7 +38,7 @@ def _prepare(model: DiffusionLM, tokenizer, prompts, sampler, cache, gen_length,
     the prompts' ids (every bad input fails before any work)."""
     sampler, sampler_args = model_sampler(model, sampler, sampler_args)
     sampler, cache = split_params(sampler, default_cache(model) if cache is None else cache, params, sampler_args,
-                                  cache_args)
+                                  cache_args, model)
     lengths = decoding_lengths(model, gen_length, block_length, steps)
     sampler.check_gen_length(lengths["gen_length"])
     for row_seed in seed if isinstance(seed, list) else [seed]:

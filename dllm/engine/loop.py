@@ -192,8 +192,8 @@ class Batch:
         while any(open_now):
             counted = list(self.runner.kv.rows_per_layer) if self.trace is not None else None
             lo, hi, rows = self._plan(step, start, end)
-            logits = reused[1] if reused is not None and reused[0] == (lo, hi) else \
-                self.runner.forward(lo, hi, rows, inputs=self.sampler.model_inputs(self.state, step))
+            logits = reused[1] if reused is not None and reused[0] == (lo, hi) else self.runner.forward(
+                lo, hi, rows, inputs=self.sampler.model_inputs(self.state, step), block=(start, end))
             ctx = self._context(logits, step, start, end, lo, hi, open_now)
             if step == 0:  # the block-start forward may move the block end (AdaBlock)
                 end = self._move_block_end(ctx)
@@ -268,7 +268,7 @@ class Batch:
         if (next_lo, next_hi) != (lo, hi):
             raise DllmError(f"sampler {self.sampler.name!r} verifies drafts with the logits of the next step, so its "
                             f"logit_window must not change inside a block")
-        return self.runner.verify(drafts, lo, hi, next_rows)
+        return self.runner.verify(drafts, lo, hi, next_rows, block=(start, end))
 
     def _move_block_end(self, ctx: samplers_mod.StepContext) -> int:
         """The block end the sampler chooses at the block's first step (AdaBlock); `ctx` follows it."""

@@ -16,9 +16,11 @@ if TYPE_CHECKING:
 
 
 def split_params(sampler: str | Sampler, cache: str | Cache, params: dict[str, Any],
-                 sampler_args: dict[str, Any] | None = None, cache_args: dict[str, Any] | None = None):
-    """Build the sampler and the cache. `params` are routed by name and override `sampler_args`/`cache_args`;
-    a name that both take must go through those instead (never a silent choice); unknown names are an error."""
+                 sampler_args: dict[str, Any] | None = None, cache_args: dict[str, Any] | None = None,
+                 model: DiffusionLM | None = None):
+    """Build the sampler and the cache. `params` are routed by name and override `sampler_args`/`cache_args`,
+    which override the `model`'s family defaults (`family_sampler_args`); a name that both take must go through
+    those instead (never a silent choice); unknown names are an error."""
     for name, args in (("sampler_args", sampler_args), ("cache_args", cache_args)):
         if args is not None and not isinstance(args, dict):
             raise DllmError(f"{name} must be a dict of parameters, got {args!r}")
@@ -29,7 +31,8 @@ def split_params(sampler: str | Sampler, cache: str | Cache, params: dict[str, A
         raise DllmError(f"parameter {both[0]!r} is taken by both sampler {sampler_cls.name!r} and cache "
                         f"{cache_cls.name!r}; say which with sampler_args={{...}} or cache_args={{...}} "
                         f"(CLI: --sampler-arg or --cache-arg)")
-    s_args = {**(sampler_args or {}), **{k: v for k, v in params.items() if k in sampler_cls.param_names()}}
+    s_args = {**family_sampler_args(model, sampler), **(sampler_args or {}),
+              **{k: v for k, v in params.items() if k in sampler_cls.param_names()}}
     c_args = {**(cache_args or {}), **{k: v for k, v in params.items() if k in cache_cls.param_names()}}
     unknown = sorted(set(params) - set(sampler_cls.param_names()) - set(cache_cls.param_names()))
     if unknown:
@@ -65,6 +68,17 @@ def model_sampler(model: DiffusionLM, sampler: str | Sampler | None, sampler_arg
             raise DllmError(f"{e} (from the model's generation_config.json)") from None
         sampler_args = {**from_file, **(sampler_args or {})}
     return sampler, sampler_args
+
+
+def family_sampler_args(model: DiffusionLM | None, sampler: str | Sampler) -> dict[str, Any]:
+    """The parameters the model's family decodes with that the sampler `sampler` (a name; a ready object is taken
+    as it is) takes: its module's `SAMPLER_DEFAULTS` (Nemotron-Labs-Diffusion: causal_first, as NVIDIA's
+    `generate_diffusion`). The caller's parameters win."""
+    if model is None or isinstance(sampler, samplers_mod.Sampler):
+        return {}
+    takes = samplers_mod.SAMPLERS.get(sampler).param_names()
+    family = getattr(ARCHITECTURES_BY_NAME[model.config.arch], "SAMPLER_DEFAULTS", {})
+    return {name: value for name, value in family.items() if name in takes}
 
 
 def default_cache(model: DiffusionLM) -> str:

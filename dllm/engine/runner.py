@@ -48,10 +48,12 @@ class Runner:
             store_lender(self.model).give_back(store.tensors)
 
     def forward(self, lo: int, hi: int, rows: Rows, tokens: Tensor | None = None, kv=None,
-                inputs: dict | None = None) -> Tensor:
+                inputs: dict | None = None, block: tuple[int, int] | None = None) -> Tensor:
         """Logits of canvas positions `[lo, hi)` for every row of `tokens` (default: the canvas; or copies of
         it, drafts), computing `rows` against the store `kv` (default: the generation's); `inputs`: the sampler's
-        further keywords of `model.run` (`Sampler.model_inputs`)."""
+        further keywords of `model.run` (`Sampler.model_inputs`). On a causal-prefix model the positions being
+        decoded run from the start of `block` (default `(lo, hi)`), the block being decoded, to `hi`: a row the
+        sampler reads before the block is computed causally."""
         model, canvas, cfg = self.model, self.canvas, self.model.config
         tokens = canvas.tokens if tokens is None else tokens
         kv = self.kv if kv is None else kv
@@ -67,7 +69,8 @@ class Runner:
         if key_mask is not None and not self.cache.stores_kv:
             key_mask = key_mask[..., rows.index]
         query_positions = caches.gather_rows(positions, rows)
-        window = (positions[:, lo], positions[:, hi - 1] + 1) if cfg.causal_prefix else None  # decoded this step
+        first = lo if block is None else block[0]
+        window = (positions[:, first], positions[:, hi - 1] + 1) if cfg.causal_prefix else None  # decoded now
         key_mask = model.visible_keys(query_positions, positions if self.cache.stores_kv else query_positions,
                                       key_mask, window)
         began = clock(model.device) if self.profile else 0.0
@@ -104,7 +107,7 @@ class Runner:
             self.slice_slots[key] = caches.row_slots(rows, lo, hi, 0, self.model.device).clamp(min=0).expand(batch, -1)
         return self.slice_slots[key]
 
-    def verify(self, drafts: Tensor, lo: int, hi: int, rows: Rows) -> Tensor:
+    def verify(self, drafts: Tensor, lo: int, hi: int, rows: Rows, block: tuple[int, int] | None = None) -> Tensor:
         """One forward over draft windows `[B, K, hi - lo]` on a fork of the store: the logits
         `[B, K, hi - lo, V]` the next step would see on each draft. The generation's store is not changed."""
         batch, copies = drafts.shape[:2]
@@ -113,7 +116,7 @@ class Runner:
         if self.verified is not None:  # drafts the sampler did not take
             self._give_back(self.verified[1])
         fork = self.kv.fork(copies, self.allocate)  # graphs: the last fork's addresses again
-        logits = self.forward(lo, hi, rows, tokens, fork).unflatten(0, (batch, copies))
+        logits = self.forward(lo, hi, rows, tokens, fork, block=block).unflatten(0, (batch, copies))
         self.verified = (drafts, fork, logits, rows)
         return logits
 

@@ -5,8 +5,10 @@ causal LM and a masked block-diffusion LM. Mistral's layer names under `encoder.
 
 Attention is NVIDIA's two modes (`generate_with_prefix_cache_block_diff`; vLLM PR 48279): the prompt and every
 finished block are encoded causally, the block being decoded sees itself and everything before it
-(`ModelConfig.causal_prefix`). Blocks of 32 start at the prompt's end; the exact `block` cache applies. NVIDIA's
-causal first token of each block (`causal_context`) is not built: blocks start all-mask, as in vLLM's version."""
+(`ModelConfig.causal_prefix`). Blocks of 32 start at the prompt's end; the exact `block` cache applies. Each
+block's first token is the causal next-token prediction (NVIDIA's `causal_context`, the samplers'
+`causal_first`), by default as NVIDIA's `generate_diffusion` does; `causal_first=False` starts blocks all-mask, as
+vLLM's version."""
 from __future__ import annotations
 
 from . import dream
@@ -18,6 +20,7 @@ HF_CLASSES = ("NemotronLabsDiffusionModel", "MinistralDiffEncoderModel")  # rele
 END_OF_TURN = "</s>"  # Mistral's end of turn; config.json's eos (11, the tokenizer's pad) fills after the answer
 TOKENIZER_STYLE = "llada"  # of the character tokenizer a random: model gets
 BLOCK_SIZE = 32  # config.json `block_size`: the block it was trained and decodes in
+SAMPLER_DEFAULTS = {"causal_first": True}  # NVIDIA's `generate_diffusion` defaults to causal_context=True
 
 WEIGHT_NAMES = {  # Mistral's names (Dream's table without biases), the backbone under `encoder.`
     ("diffusion_head.weight" if ckpt == "lm_head.weight" else ckpt.replace("model.", "encoder.", 1)): ours

@@ -102,7 +102,7 @@ class RequestReader:
         sampler, cache = split_params(
             body.get("sampler", d["sampler"]), body.get("cache", d["cache"]), params,
             {**(d["sampler_args"] if same_sampler else {}), **(body.get("sampler_args") or {})},
-            {**(d["cache_args"] if same_cache else {}), **(body.get("cache_args") or {})})
+            {**(d["cache_args"] if same_cache else {}), **(body.get("cache_args") or {})}, self.model)
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         if max_tokens is not None:
             check_int("max_tokens", max_tokens, 1)
