@@ -58,6 +58,8 @@ class Commit:
     again: Tensor | None = None  # [B] bool: rows that want another step of this block even with no mask left
     draft: Tensor | None = None  # [B, C] long: the next tokens of the uncommitted positions not committed now (a
     # uniform-state canvas, renoised)
+    logits: Tensor | None = None  # [B, C, V] the logits the tokens were drawn from when they are not the step's
+    # (CreditDecoding's fused logits); `log_distribution` of them is what `logprobs` reports
 
 
 @dataclass
@@ -76,6 +78,13 @@ class Sampler(Params):
 
     def step(self, ctx: StepContext) -> Commit:
         raise NotImplementedError
+
+    def log_distribution(self, logits: Tensor) -> Tensor:
+        """Hook: the `[B, C, V]` log-probabilities of the distribution each token was drawn from, given the logits
+        it was drawn from (`Commit.logits`, else the step's): softmax(logits / T), the plain softmax at T = 0 (the
+        argmax of the model's distribution). What `logprobs=k` reports for each committed token."""
+        logits = logits.float()
+        return (logits / self.temperature if self.temperature else logits).log_softmax(-1)
 
     def prepare(self, tokenizer) -> None:
         """Hook, called by `dllm.generate` before decoding: read what the sampler needs from the tokenizer."""

@@ -16,6 +16,7 @@ from ..core.errors import DllmError
 from ..models import DiffusionLM, Rows
 from .canvas import Canvas
 from .checks import check_block_layout, check_lengths, check_policies
+from .logprobs import Captured, TokenLogprob, check_logprobs, token_logprobs
 from .runner import Runner, clock
 from .stats import Stats, trace_step
 
@@ -37,6 +38,8 @@ class Row:
     tokens: Tensor  # [len(prompt) + gen_length] as of the last layout
     decoded: int = 0  # positions from `origin` before the current block (whole blocks), as of the last layout
     finished: bool = False  # a stop token committed with nothing uncommitted before it
+    logprobs: int | None = None  # alternatives per token to capture with its log-probability (None: not captured)
+    captured: tuple[Tensor, Tensor] | None = None  # its `Captured` columns, as of the last layout
 
 
 class Batch:
@@ -65,11 +68,14 @@ class Batch:
         self.stats, self.trace = Stats(batch=0, rows_per_layer=[0] * model.config.n_layers), [] if trace else None
         self.canvas: Canvas | None = None  # None: rows changed since the last layout
         self.runner: Runner | None = None
+        self.captured: Captured | None = None  # the rows' log-probabilities, when a row asked for them
         self._saved = True  # the rows hold what the canvas holds
         self.block = 0  # blocks run
 
-    def add(self, prompt: list[int], gen_length: int, seed: int = 0) -> Row:
-        """A row for `prompt` with `gen_length` answer tokens (whole blocks), decoded from the next block on."""
+    def add(self, prompt: list[int], gen_length: int, seed: int = 0, logprobs: int | None = None) -> Row:
+        """A row for `prompt` with `gen_length` answer tokens (whole blocks), decoded from the next block on;
+        `logprobs=k` captures each token's log-probability with k alternatives (`Batch.logprobs`)."""
+        logprobs = check_logprobs(logprobs)
         if self.rows and not self.joins_between_blocks and self.block:
             raise DllmError(f"sampler {self.sampler.name!r} with cache {self.cache.name!r} cannot take rows into a "
                             f"running batch (the sampler must look only at the current block and the cache "
@@ -83,7 +89,8 @@ class Batch:
             origin = len(prompt) // size * size
             gen_length = -(-(len(prompt) + gen_length) // size) * size - len(prompt)
         tokens = torch.tensor(list(prompt) + [model.config.placeholder_id] * gen_length, dtype=torch.long)
-        row = Row(list(prompt), gen_length, origin, torch.Generator(device=model.device).manual_seed(seed), tokens)
+        row = Row(list(prompt), gen_length, origin, torch.Generator(device=model.device).manual_seed(seed), tokens,
+                  logprobs=logprobs)
         self._save()
         self.rows.append(row)
         self.canvas = None
@@ -115,6 +122,16 @@ class Batch:
         stops = self.model.config.stop_ids
         return ids[:next((i for i, t in enumerate(ids) if t in stops), len(ids))]
 
+    def logprobs(self, row: Row) -> list[TokenLogprob]:
+        """The tokens of `row`'s `answer` with their log-probabilities (a row added with `logprobs`)."""
+        ids = self.answer(row)
+        if row.logprobs is None:
+            raise DllmError("this row was added without logprobs; add it with logprobs=k (0: no alternatives)")
+        if row.captured is None:
+            return []
+        answer = slice(len(row.prompt), None)
+        return token_logprobs((row.captured[0][answer], row.captured[1][answer]), ids, row.logprobs)
+
     def done(self, row: Row) -> bool:
         """Nothing left to decode: a stop committed, or every block of the row decoded."""
         self._save()
@@ -135,6 +152,8 @@ class Batch:
             row.tokens = canvas.tokens[b, first:first + len(row.tokens)].clone()
             row.decoded = min(self.start - first - row.origin, len(row.tokens) - row.origin)
             row.finished = finished[b]
+            if self.captured is not None:
+                row.captured = self.captured.cut(b, first, len(row.tokens))
         self._saved = True
 
     def _layout(self) -> None:
@@ -143,6 +162,10 @@ class Batch:
         before = [row.origin + row.decoded for row in rows]  # tokens left of the current block
         self.canvas = Canvas.lay_out(model, [row.tokens for row in rows], before, [len(row.prompt) for row in rows])
         self.start, self._saved = max(before), False
+        wanted = [row.logprobs for row in rows if row.logprobs is not None]
+        self.captured = None if not wanted else Captured.lay_out(  # rows start at columns max(before) - before[b]
+            [row.captured for row in rows], [self.start - n for n in before], self.canvas.tokens.shape[1],
+            max(wanted), model.device)
         self._count_store()
         self.runner = Runner(model, self.canvas, self.cache, self.stats, self.profile, self.compile)
         self.stats.batch = max(self.stats.batch, len(rows))
@@ -295,6 +318,9 @@ class Batch:
         stalled = ((ctx.eligible.any(1) > (commit & ctx.eligible).any(1)).any() if not self.sampler.may_commit_nothing
                    else self.never)
         written = commit if ctx.editable is None or out.edit is None else commit | (out.edit & ctx.editable)
+        if self.captured is not None:  # the committed (and edited) tokens, not a renoised canvas's drafts
+            drawn_from = ctx.logits if out.logits is None else out.logits
+            self.captured.write(written, lo, hi, self.sampler.log_distribution(drawn_from), out.tokens)
         new = out.tokens
         if out.draft is not None:  # positions that stay uncommitted take the draft (a uniform-state canvas renoised)
             written, new = ctx.masked, torch.where(commit, out.tokens, out.draft)
@@ -309,10 +335,12 @@ class Batch:
 
     def _after_step(self, ctx: samplers_mod.StepContext, out: samplers_mod.Commit, commit: Tensor,
                     counted: list[int] | None) -> None:
-        """The step's trace, finished rows (a stop token with nothing masked before it) and callback."""
+        """The step's trace, finished rows (a stop token with nothing uncommitted before it) and callback."""
         if self.trace is not None:
             rows_per_layer = [now - before for now, before in zip(self.runner.kv.rows_per_layer, counted)]
-            self.trace.append(trace_step(self.block, ctx.step, rows_per_layer, ctx.positions, commit, out, ctx.logits))
+            edited = None if ctx.editable is None or out.edit is None else out.edit & ctx.editable
+            self.trace.append(trace_step(self.block, ctx.step, rows_per_layer, ctx.positions, commit, out, ctx.logits,
+                                         edited))
         if self.stop_early:
             self._set_finished(self.canvas.finish_rows(self.finished, self.model.config))
         if self.callback is not None:
@@ -343,11 +371,23 @@ def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache
     the final canvas, statistics and (optionally) a per-step trace. `profile` times every forward (synchronizing
     the device) into `stats.forward_seconds` by kind: `full` (every canvas row computed), `cached` (the other
     rows read from the cache), `verify` (draft batches). See `Batch` for `callback` and `compile`."""
+    batch = decoded(model, prompts, sampler, cache, gen_length, block_length, steps, seed, stop_early, trace, profile,
+                    callback, compile)
+    return batch.canvas, batch.finish(), batch.trace
+
+
+@torch.no_grad()
+def decoded(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache: Cache, gen_length: int,
+            block_length: int, steps: int | None = None, seed: int | list[int] = 0, stop_early: bool = True,
+            trace: bool = False, profile: bool = False, callback: Callable[[dict], None] | None = None,
+            compile: bool = False, logprobs: int | None = None) -> Batch:
+    """`decode`'s batch once decoded: its rows' answers and (`logprobs=k`) their log-probabilities."""
     steps_per_block = check_lengths(gen_length, block_length, steps, uniform=model.config.mask_id is None)
     Canvas.check(model, prompts, gen_length)  # every prompt's error before any work
+    check_logprobs(logprobs)
     batch = Batch(model, sampler, cache, block_length, steps_per_block, stop_early, trace, profile, callback, compile)
     for ids, row_seed in zip(prompts, seed if isinstance(seed, list) else [seed] * len(prompts)):
-        batch.add(ids, gen_length, row_seed)
+        batch.add(ids, gen_length, row_seed, logprobs)
     while batch.running:
         batch.run_block()
-    return batch.canvas, batch.finish(), batch.trace
+    return batch
