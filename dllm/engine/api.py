@@ -18,7 +18,7 @@ from .stats import Stats
 from .text import answer_text, encode_prompts, is_token_id, warn_outside_format
 
 if TYPE_CHECKING:
-    from ..cache import Cache
+    from ..cache import Cache, PrefixBlocks
     from ..samplers import Sampler
 
 
@@ -61,7 +61,8 @@ def generate(model: DiffusionLM, tokenizer, prompts, sampler: str | Sampler | No
              steps: int | None = None, seed: int | list[int] = 0, chat: bool | None = None, stop_early: bool = True,
              trace: bool = False, sampler_args: dict[str, Any] | None = None,
              cache_args: dict[str, Any] | None = None, callback: Callable[[dict], None] | None = None,
-             compile: bool = False, logprobs: int | None = None, **params: Any) -> Generation:
+             compile: bool = False, logprobs: int | None = None, prefix_cache: PrefixBlocks | None = None,
+             **params: Any) -> Generation:
     """Generate answers for a batch of prompts (strings, or lists of token ids).
 
     `params` go to the sampler or the cache by name (e.g. `threshold=0.9`, `temperature=0.5`,
@@ -77,13 +78,15 @@ def generate(model: DiffusionLM, tokenizer, prompts, sampler: str | Sampler | No
     `torch.compile` (caches none, prefix, dual, block; the first calls compile, minutes on a CPU for a large
     model). `logprobs=k` gives every answer token's log-probability under the distribution the sampler
     drew it from, at the step that committed it, with that distribution's k most probable tokens
-    (`Generation.logprobs`; `dllm.engine.logprobs`)."""
+    (`Generation.logprobs`; `dllm.engine.logprobs`). `prefix_cache` (a `dllm.cache.PrefixBlocks`; block-causal
+    models, cache `block`) reuses the keys and values of whole blocks an earlier call kept for prompts that start
+    the same way (the answers do not change)."""
     check_logprobs(logprobs)
     sampler, cache, lengths, ids = _prepare(model, tokenizer, prompts, sampler, cache, gen_length, block_length,
                                             steps, seed, chat, dict(stop_early=stop_early, trace=trace,
                                                                     compile=compile), sampler_args, cache_args, params)
     batch = decoded(model, ids, sampler, cache, **lengths, seed=seed, stop_early=stop_early, trace=trace,
-                    callback=callback, compile=compile, logprobs=logprobs)
+                    callback=callback, compile=compile, logprobs=logprobs, prefix_cache=prefix_cache)
     canvas, stats = batch.canvas, batch.finish()
     cfg = model.config
     token_ids = []

@@ -15,13 +15,13 @@ from .. import samplers as samplers_mod
 from ..core.errors import DllmError
 from ..models import DiffusionLM, Rows
 from .canvas import Canvas
-from .checks import check_block_layout, check_lengths, check_policies
+from .checks import check_block_layout, check_lengths, check_policies, check_prefix_cache
 from .logprobs import Captured, TokenLogprob, check_logprobs, token_logprobs
 from .runner import Runner, clock
 from .stats import Stats, trace_step
 
 if TYPE_CHECKING:
-    from ..cache import Cache
+    from ..cache import Cache, PrefixBlocks
     from ..samplers import Sampler
 
 
@@ -52,16 +52,21 @@ class Batch:
 
     `profile` times every forward into `stats.forward_seconds`; `callback` is called after every step with
     `{"block", "step", "committed"}`; `compile` runs the model compiled (`compiled_run`; caches none, prefix, dual).
+    `prefix_cache` (a `cache.PrefixBlocks`; block-causal models, cache `block`) fills each layout's store with the
+    kept keys and values of the rows' finished blocks, and keeps the blocks each block start makes final.
     The host waits for the device once per step (has the block any mask left?) and once per block."""
 
     def __init__(self, model: DiffusionLM, sampler: Sampler, cache: Cache, block_length: int, steps_per_block: int,
                  stop_early: bool = True, trace: bool = False, profile: bool = False,
-                 callback: Callable[[dict], None] | None = None, compile: bool = False):
+                 callback: Callable[[dict], None] | None = None, compile: bool = False,
+                 prefix_cache: PrefixBlocks | None = None):
         check_policies(model, sampler, cache, compile)
         check_block_layout(model, block_length)
+        check_prefix_cache(model, cache, prefix_cache)
         self.model, self.sampler, self.cache = model, sampler, cache
         self.block_length, self.steps_per_block = block_length, steps_per_block
         self.stop_early, self.profile, self.callback, self.compile = stop_early, profile, callback, compile
+        self.prefix = prefix_cache
         self.joins_between_blocks = sampler.block_local and cache.block_fresh
         self.family = "dream" if model.config.logit_shift else "llada"  # for the defaults papers set per family
         self.rows: list[Row] = []
@@ -162,12 +167,14 @@ class Batch:
         before = [row.origin + row.decoded for row in rows]  # tokens left of the current block
         self.canvas = Canvas.lay_out(model, [row.tokens for row in rows], before, [len(row.prompt) for row in rows])
         self.start, self._saved = max(before), False
+        self.firsts = [self.start - n for n in before]  # the column of each row's first token
         wanted = [row.logprobs for row in rows if row.logprobs is not None]
-        self.captured = None if not wanted else Captured.lay_out(  # rows start at columns max(before) - before[b]
-            [row.captured for row in rows], [self.start - n for n in before], self.canvas.tokens.shape[1],
-            max(wanted), model.device)
+        self.captured = None if not wanted else Captured.lay_out(
+            [row.captured for row in rows], self.firsts, self.canvas.tokens.shape[1], max(wanted), model.device)
         self._count_store()
         self.runner = Runner(model, self.canvas, self.cache, self.stats, self.profile, self.compile)
+        if self.prefix is not None:
+            self.prefix.load(self.runner.kv, [row.tokens[:n].tolist() for row, n in zip(rows, before)], self.firsts)
         self.stats.batch = max(self.stats.batch, len(rows))
         self.state = SimpleNamespace()  # the sampler's per-run state
         self.generators = [row.generator for row in rows]
@@ -226,6 +233,8 @@ class Batch:
             self._after_step(ctx, out, commit, counted)
             open_now = self._open_rows_checked(ctx, out, checks)  # the step's one wait for the device
             step += 1
+        if self.prefix is not None:
+            self._keep_final_blocks()
         self.start, self.block, self._saved = end, self.block + 1, False
         self.stats.seconds += clock(self.model.device) - began
         self.stats.gen_tokens += int(committed)
@@ -238,6 +247,19 @@ class Batch:
         if tokens is not None:
             block = self.canvas.tokens[:, start:end]
             block.copy_(torch.where(self.canvas.pending(slice(start, end)) & self.unfinished[:, None], tokens, block))
+
+    def _keep_final_blocks(self) -> None:
+        """Offer the prefix cache every row's blocks whose keys and values the store holds final (those before the
+        block, made final by its first forward)."""
+        final = self.runner.kv.final
+        tokens = self.canvas.tokens[:, :final].tolist()
+        self.prefix.save(self.runner.kv, [row[first:] for row, first in zip(tokens, self.firsts)], self.firsts)
+
+    @property
+    def rows_computed(self) -> int:
+        """Token rows the network computed so far, summed over layers (retired stores' counts and the live one's)."""
+        live = self.runner.kv.rows_per_layer if self.runner is not None else []
+        return sum(self.stats.rows_per_layer) + sum(live)
 
     def _plan(self, step: int, start: int, end: int) -> tuple[int, int, Rows]:
         """The candidate window `[lo, hi)` of a step and the rows the cache computes for it."""
@@ -380,12 +402,14 @@ def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache
 def decoded(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache: Cache, gen_length: int,
             block_length: int, steps: int | None = None, seed: int | list[int] = 0, stop_early: bool = True,
             trace: bool = False, profile: bool = False, callback: Callable[[dict], None] | None = None,
-            compile: bool = False, logprobs: int | None = None) -> Batch:
-    """`decode`'s batch once decoded: its rows' answers and (`logprobs=k`) their log-probabilities."""
+            compile: bool = False, logprobs: int | None = None, prefix_cache: PrefixBlocks | None = None) -> Batch:
+    """`decode`'s batch once decoded: its rows' answers and (`logprobs=k`) their log-probabilities; `prefix_cache`
+    as `Batch`'s."""
     steps_per_block = check_lengths(gen_length, block_length, steps, uniform=model.config.mask_id is None)
     Canvas.check(model, prompts, gen_length)  # every prompt's error before any work
     check_logprobs(logprobs)
-    batch = Batch(model, sampler, cache, block_length, steps_per_block, stop_early, trace, profile, callback, compile)
+    batch = Batch(model, sampler, cache, block_length, steps_per_block, stop_early, trace, profile, callback, compile,
+                  prefix_cache)
     for ids, row_seed in zip(prompts, seed if isinstance(seed, list) else [seed] * len(prompts)):
         batch.add(ids, gen_length, row_seed, logprobs)
     while batch.running:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ..core.checks import check_int
+from ..cache import PrefixBlocks
 from ..core.errors import DllmError
 from ..engine.loop import Batch
 from ..engine.text import answer_text
@@ -52,12 +53,14 @@ class Engine:
     """The decode loop's driver: admits waiting jobs between blocks, runs blocks, sends each job its new text."""
 
     def __init__(self, model, tokenizer, name: str, defaults: dict[str, Any], max_batch: int = 8,
-                 compile: bool = False):
+                 compile: bool = False, prefix_cache_mb: float = 0):
         check_int("max_batch", max_batch, 1)
+        # kept blocks' keys and values, reused by every request that starts with them (block-causal models)
+        self.prefix = PrefixBlocks(model, prefix_cache_mb) if prefix_cache_mb else None
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self.max_batch, self.compile = max_batch, compile
         self.requests = RequestReader(model, tokenizer, name, defaults, compile)
-        self.metrics = Metrics()
+        self.metrics = Metrics(self.prefix)
         self.waiting: deque[Job] = deque()
         self.cond = threading.Condition()
         self.batch: Batch | None = None
@@ -143,7 +146,8 @@ class Engine:
                     if batch is None:
                         batch = self.batch = Batch(self.model, job.sampler, job.cache, job.lengths["block_length"],
                                                    job.steps_per_block, stop_early=job.stop_early, compile=self.compile,
-                                                   callback=self._step)
+                                                   callback=self._step, prefix_cache=self.prefix
+                                                   if job.cache.keeps_final_blocks else None)
                         self.key = job.key
                     row = batch.add(job.ids, job.lengths["gen_length"], job.seed, job.logprobs)
                 except Exception as e:  # checked in `job` already; this request alone gets any error left
@@ -165,8 +169,9 @@ class Engine:
 
     def _block(self) -> None:
         batch, metrics = self.batch, self.metrics
-        nfe, committed = batch.stats.nfe, batch.stats.gen_tokens
+        nfe, committed, rows = batch.stats.nfe, batch.stats.gen_tokens, batch.rows_computed
         batch.run_block()
+        metrics.rows_computed.inc(batch.rows_computed - rows)
         self.forwards += batch.stats.nfe - nfe
         self.committed += batch.stats.gen_tokens - committed
         metrics.forwards.inc(batch.stats.nfe - nfe)
