@@ -150,3 +150,24 @@ def test_served_requests_share_a_system_prompt_and_report_hits():
     assert values["dllm_prefix_cache_hit_tokens_total"] >= 3 * 64 // 4 * 4  # later requests reuse the system prompt
     assert values["dllm_prefix_cache_queried_tokens_total"] > values["dllm_prefix_cache_hit_tokens_total"]
     assert values["dllm_prefix_cache_bytes"] > 0 and values["dllm_rows_computed_total"] > 0
+
+
+def test_bench_serve_counts_fewer_rows_with_a_prefix_cache():
+    """`dllm bench-serve --system-prompt-tokens 64`: every served answer equals its sequential one with the prefix
+    cache and without, and the cache computes fewer rows."""
+    pytest.importorskip("fastapi")
+    from dllm.engine.text import encode_text
+    from dllm.serve.bench import bench_serve, system_prompt
+
+    model, tok = dllm.load("tiny-sdar")
+    assert len(encode_text(tok, system_prompt(tok, 64), "")) == 64
+    defaults = {"sampler": "low_confidence_dynamic", "cache": "block", "sampler_args": {}, "cache_args": {},
+                "gen_length": 32, "block_length": None, "steps": None, "seed": 0}
+    rows = []
+    for mib in (0, 4):
+        result = bench_serve(model, tok, "tiny-sdar", defaults, max_batch=4, requests=6, concurrency=(3,),
+                             system_prompt_tokens=64, prefix_cache_mb=mib)
+        (served,) = result["rows"][1:]
+        assert served["errors"] == served["mismatches"] == 0
+        rows.append(served["rows"])
+    assert rows[1] < rows[0]
