@@ -1,8 +1,11 @@
-"""A prefix cache across generations for block-causal models (SDAR, LLaDA2, Fast-dLLM v2): the keys and values of
-whole attention blocks, kept after a generation and reused by any later one whose tokens start the same way.
+"""A prefix cache across generations for block-causal models (SDAR, LLaDA2, Fast-dLLM v2) and causal-prefix ones
+(Nemotron-Labs-Diffusion): the keys and values of whole attention blocks, kept after a generation and reused by any
+later one whose tokens start the same way.
 
 Why it is exact: under block-causal attention a block attends only to itself and earlier blocks, so its keys and
-values are a function of the tokens from the sequence start through its end, at their positions. Keys are stored
+values are a function of the tokens from the sequence start through its end, at their positions (under causal-prefix
+attention every token before the block being decoded attends causally, so any run of tokens is such a block: they
+are kept in chunks of `CAUSAL_CHUNK`). Keys are stored
 after RoPE, and the canvas gives every row RoPE positions counted from its first real token, so left padding (rows
 are shifted to align their current blocks) moves a block to other columns but never changes its keys and values;
 padding columns are masked out of attention. A block is therefore keyed by a hashed chain, as vLLM's automatic
@@ -28,6 +31,8 @@ from dllm.core.errors import DllmError
 
 from .base import KVStore
 
+CAUSAL_CHUNK = 16  # tokens per kept block on a causal-prefix model (vLLM's page size)
+
 
 class PrefixBlocks:
     """Kept keys and values of whole blocks, `[2, layers, kv heads, block, head dim]` each, keyed by token chains.
@@ -36,13 +41,13 @@ class PrefixBlocks:
 
     def __init__(self, model, mib: float):
         cfg = model.config
-        if not cfg.block_size:
-            raise DllmError(f"a prefix cache needs a block-causal model (SDAR, LLaDA2, Fast-dLLM v2): under "
-                            f"{cfg.arch}'s full attention a prompt's keys and values depend on the answer; drop "
-                            f"--prefix-cache-mb (prefix_cache)")
+        if not cfg.decoded_keys_fixed:
+            raise DllmError(f"a prefix cache needs a block-causal or causal-prefix model (SDAR, LLaDA2, Fast-dLLM v2, "
+                            f"Nemotron-Labs-Diffusion): under {cfg.arch}'s full attention a prompt's keys and values "
+                            f"depend on the answer; drop --prefix-cache-mb (prefix_cache)")
         if isinstance(mib, bool) or not isinstance(mib, (int, float)) or not mib > 0:
             raise DllmError(f"the prefix cache size must be a positive number of MiB, got {mib!r}")
-        self.model, self.size, self.capacity = model, cfg.block_size, int(mib * 2**20)
+        self.model, self.size, self.capacity = model, cfg.block_size or CAUSAL_CHUNK, int(mib * 2**20)
         self.blocks: OrderedDict[bytes, Tensor] = OrderedDict()  # least recently used first
         self.nbytes = self.queried = self.hits = self.evicted = 0
 
@@ -66,8 +71,8 @@ class PrefixBlocks:
 
     def load(self, kv: KVStore, prefixes: list[list[int]], columns: list[int]) -> None:
         """Before a layout's first forward: write into `kv` each row's kept blocks of `prefixes[b]` (its tokens before
-        its current block, whole blocks, from canvas column `columns[b]`), and set `kv.final` to the first column a
-        row still needs computed."""
+        its current block, from canvas column `columns[b]`), and set `kv.final` to the first column a row still needs
+        computed."""
         final = None
         for b, (tokens, column) in enumerate(zip(prefixes, columns)):
             keys = self.keys(tokens)

@@ -71,6 +71,7 @@ class Sampler(Params):
     block_local: ClassVar[bool] = True  # decides from the current block alone (state reset per block; no use of
     # prompt_length, nfe or total_steps), so rows at different blocks can share a batch (`dllm serve`)
     edits: ClassVar[bool] = False  # rewrites decoded tokens of the current block (`Commit.edit`, `Commit.again`)
+    moves_tokens: ClassVar[bool] = False  # its edits move decoded tokens to other positions (insert/delete)
     commits_past_block: ClassVar[bool] = False  # may commit masks of later blocks (Prophet's early exit)
     reads_decoded_logits: ClassVar[bool] = False  # reads logits of decoded positions of its window (Prophet's gap)
     may_commit_nothing: ClassVar[bool] = False  # a step before the block's last may commit nothing (Dream's origin)

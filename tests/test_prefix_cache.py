@@ -98,7 +98,7 @@ def test_a_small_cache_evicts_least_recently_used_blocks_from_a_chains_end():
 
 def test_refusals():
     llada = dllm.load("tiny-llada")[0]
-    with pytest.raises(DllmError, match="a prefix cache needs a block-causal model .* under llada's full attention a "
+    with pytest.raises(DllmError, match="a prefix cache needs a block-causal or causal-prefix model .* under llada's full attention a "
                                         "prompt's keys and values depend on the answer; drop --prefix-cache-mb"):
         caches.PrefixBlocks(llada, 8)
     sdar = random_model("sdar-tiny")
@@ -113,7 +113,7 @@ def test_refusals():
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--model", "tiny-llada", "--prefix-cache-mb", "8"], "a prefix cache needs a block-causal model"),
+    (["--model", "tiny-llada", "--prefix-cache-mb", "8"], "a prefix cache needs a block-causal or causal-prefix model"),
     (["--model", "tiny-sdar", "--cache", "none", "--prefix-cache-mb", "8"],
      "--prefix-cache-mb reuses the keys and values cache 'block' keeps; the default cache 'none' recomputes them"),
 ])
@@ -171,3 +171,21 @@ def test_bench_serve_counts_fewer_rows_with_a_prefix_cache():
         assert served["errors"] == served["mismatches"] == 0
         rows.append(served["rows"])
     assert rows[1] < rows[0]
+
+
+def test_causal_prefix_models_reuse_chunks_of_any_prompt():
+    """Nemotron-Labs-Diffusion encodes the prompt and finished blocks causally, so any run of tokens is exact to
+    reuse: chunks of 16, wherever the prompt ends."""
+    model = random_model("nemotron-diffusion-tiny", seed=1)
+    shared = list(range(5, 45))  # 40 tokens: 2 whole chunks
+    first, second = [shared + [50, 51], shared[:20] + [52, 53, 54]], [shared + [55], shared[:33]]
+
+    def run(prompts, prefix=None):
+        return decoded(model, prompts, samplers.SAMPLERS.create("threshold", threshold=0.5),
+                       caches.CACHES.create("block"), 16, 8, prefix_cache=prefix)
+
+    prefix = caches.PrefixBlocks(model, 8)
+    for prompts in (first, second):
+        got, want = run(prompts, prefix), run(prompts)
+        assert [got.answer(row) for row in got.rows] == [want.answer(row) for row in want.rows]
+    assert prefix.hits == 32 + 32 and got.rows_computed < want.rows_computed

@@ -12,13 +12,20 @@ import torch
 from torch import Tensor
 
 from ..core.checks import check_int
+from ..core.errors import DllmError
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs (vLLM's default max_logprobs)
 
 
-def check_logprobs(value, name: str = "logprobs") -> int | None:
-    """None (off) or the number of alternatives to report per token, 0..`MAX_TOP_LOGPROBS`."""
-    return None if value is None else check_int(name, value, 0, MAX_TOP_LOGPROBS)
+def check_logprobs(value, sampler=None, name: str = "logprobs") -> int | None:
+    """None (off) or the number of alternatives to report per token, 0..`MAX_TOP_LOGPROBS`, for `sampler`."""
+    if value is None:
+        return None
+    value = check_int(name, value, 0, MAX_TOP_LOGPROBS)
+    if sampler is not None and sampler.moves_tokens:
+        raise DllmError(f"sampler {sampler.name!r} moves decoded tokens to other positions (insert/delete), so a "
+                        f"token's log-probability cannot follow it; drop {name}")
+    return value
 
 
 @dataclass

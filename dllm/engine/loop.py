@@ -52,8 +52,9 @@ class Batch:
 
     `profile` times every forward into `stats.forward_seconds`; `callback` is called after every step with
     `{"block", "step", "committed"}`; `compile` runs the model compiled (`compiled_run`; caches none, prefix, dual).
-    `prefix_cache` (a `cache.PrefixBlocks`; block-causal models, cache `block`) fills each layout's store with the
-    kept keys and values of the rows' finished blocks, and keeps the blocks each block start makes final.
+    `prefix_cache` (a `cache.PrefixBlocks`; block-causal and causal-prefix models, cache `block`) fills each layout's
+    store with the kept keys and values of the rows' finished blocks, and keeps the blocks each block start makes
+    final.
     The host waits for the device once per step (has the block any mask left?) and once per block."""
 
     def __init__(self, model: DiffusionLM, sampler: Sampler, cache: Cache, block_length: int, steps_per_block: int,
@@ -80,7 +81,7 @@ class Batch:
     def add(self, prompt: list[int], gen_length: int, seed: int = 0, logprobs: int | None = None) -> Row:
         """A row for `prompt` with `gen_length` answer tokens (whole blocks), decoded from the next block on;
         `logprobs=k` captures each token's log-probability with k alternatives (`Batch.logprobs`)."""
-        logprobs = check_logprobs(logprobs)
+        logprobs = check_logprobs(logprobs, self.sampler)
         if self.rows and not self.joins_between_blocks and self.block:
             raise DllmError(f"sampler {self.sampler.name!r} with cache {self.cache.name!r} cannot take rows into a "
                             f"running batch (the sampler must look only at the current block and the cache "

@@ -118,6 +118,7 @@ class RequestReader:
         check_policies(self.model, sampler, cache, self.compile)
         sampler.check_gen_length(lengths["gen_length"])
         warn_outside_format(self.model, self.tokenizer, [ids])  # in the server's log
+        check_logprobs(logprobs, sampler)
         sampler_key = (sampler.name, json.dumps(sampler.config(), sort_keys=True, default=str))
         sampler = self._prepared(sampler_key, sampler)
         block, gen = lengths["block_length"], lengths["gen_length"]
@@ -179,10 +180,10 @@ def _logprobs(body: dict, chat: bool) -> int | None:
         if top is not None:
             raise DllmError("top_logprobs is a chat field; on /v1/completions send logprobs: k (alternatives per "
                             "token)")
-        return check_logprobs(logprobs)
+        return check_logprobs(logprobs, name="logprobs")
     if logprobs not in (None, True, False):
         raise DllmError(f"logprobs must be true or false on /v1/chat/completions, got {logprobs!r}; send "
                         f"top_logprobs: k for alternatives")
     if top is not None and not logprobs:
         raise DllmError("top_logprobs needs logprobs: true")
-    return check_logprobs(0 if top is None else top, "top_logprobs") if logprobs else None
+    return check_logprobs(0 if top is None else top, name="top_logprobs") if logprobs else None
