@@ -92,7 +92,7 @@ def test_a_stop_string_keeps_one_logprob_per_counted_token(server):
             "gen_length": 32, "logprobs": True}
     status, answer = post(server.url + "/v1/chat/completions", body)
     content = answer["choices"][0]["logprobs"]["content"]
-    assert answer["choices"][0]["message"]["content"] == "#### ab"
+    assert status == 200 and answer["choices"][0]["message"]["content"] == "#### ab"
     assert "".join(c["token"] for c in content) == "#### abcd" == "#### ab" + "cd"
     assert len(content) == answer["usage"]["completion_tokens"]
     chunks = streamed(server.url, "/v1/chat/completions", body)
@@ -111,8 +111,8 @@ def test_no_logprobs_asked_gives_null(server):
 BAD = [
     ("/v1/completions", {"prompt": "copy: ab", "logprobs": 21}, "logprobs must be at most 20, got 21"),
     ("/v1/completions", {"prompt": "copy: ab", "logprobs": True}, "logprobs must be an integer, got True"),
-    ("/v1/completions", {"prompt": "copy: ab", "top_logprobs": 2}, "top_logprobs is a chat field; on "
-                                                                   "/v1/completions send logprobs: k"),
+    ("/v1/completions", {"prompt": "copy: ab", "top_logprobs": 2},
+     "top_logprobs is a chat field; on /v1/completions send logprobs: k"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2},
      "top_logprobs needs logprobs: true"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "logprobs": 3},

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from ..core.checks import check_int
 from ..cache import PrefixBlocks
+from ..core.checks import check_int
 from ..core.errors import DllmError
 from ..engine.loop import Batch
 from ..engine.text import answer_text
@@ -55,7 +55,8 @@ class Engine:
     def __init__(self, model, tokenizer, name: str, defaults: dict[str, Any], max_batch: int = 8,
                  compile: bool = False, prefix_cache_mb: float = 0):
         check_int("max_batch", max_batch, 1)
-        # kept blocks' keys and values, reused by every request that starts with them (block-causal models)
+        # kept blocks' keys and values, reused by every request that starts with them (block-causal and causal-prefix
+        # models)
         self.prefix = PrefixBlocks(model, prefix_cache_mb) if prefix_cache_mb else None
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self.max_batch, self.compile = max_batch, compile
