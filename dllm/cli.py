@@ -351,13 +351,13 @@ def _serve(args) -> int:
     _check_port(args.host, args.port)
     model, tok, defaults = _serve_setup(args)
     engine = Engine(model, tok, args.name or args.model, defaults, args.max_batch, args.compile, args.prefix_cache_mb)
+    if engine.prefix is not None and not caches.CACHES.get(defaults["cache"]).keeps_final_blocks:
+        raise DllmError(f"--prefix-cache-mb reuses the keys and values cache 'block' keeps; the default cache "
+                        f"{defaults['cache']!r} recomputes them: use --cache block or drop --prefix-cache-mb")
     try:  # the defaults on a one-token prompt: what would fail every request fails now
-        job = engine.job({"prompt": [model.config.filler_id]}, chat=False)
+        engine.job({"prompt": [model.config.filler_id]}, chat=False)
     except DllmError as e:
         raise DllmError(f"the server's defaults cannot answer any request: {e}") from None
-    if engine.prefix is not None and not job.cache.keeps_final_blocks:
-        raise DllmError(f"--prefix-cache-mb reuses the keys and values cache 'block' keeps; the default cache "
-                        f"{job.cache.name!r} recomputes them: use --cache block or drop --prefix-cache-mb")
     server(create_app(engine), args.host, args.port, args.shutdown_timeout, engine).run()
     return 0
 
