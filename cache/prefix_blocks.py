@@ -1,5 +1,5 @@
 """A prefix cache across generations for block-causal models (SDAR, LLaDA2, Fast-dLLM v2) and causal-prefix ones
-(Nemotron-Labs-Diffusion): the keys and values of whole attention blocks, kept after a generation and reused by any
+(Nemotron-Labs-Diffusion, DiffusionGemma): the keys and values of whole attention blocks, kept after a generation and reused by any
 later one whose tokens start the same way.
 
 Why it is exact: under block-causal attention a block attends only to itself and earlier blocks, so its keys and
@@ -35,7 +35,8 @@ CAUSAL_CHUNK = 16  # tokens per kept block on a causal-prefix model (vLLM's page
 
 
 class PrefixBlocks:
-    """Kept keys and values of whole blocks, `[2, layers, kv heads, block, head dim]` each, keyed by token chains.
+    """Kept keys and values of whole blocks, each layer's keys then each layer's values (`[kv heads, block, head
+    dim]`, per layer: DiffusionGemma's full layers differ from its sliding ones), keyed by token chains.
     Counts the tokens asked for (`queried`: whole blocks before rows' current blocks, at each layout), the tokens
     served (`hits`), blocks evicted and bytes held."""
 
@@ -43,12 +44,12 @@ class PrefixBlocks:
         cfg = model.config
         if not cfg.decoded_keys_fixed:
             raise DllmError(f"a prefix cache needs a block-causal or causal-prefix model (SDAR, LLaDA2, Fast-dLLM v2, "
-                            f"Nemotron-Labs-Diffusion): under {cfg.arch}'s full attention a prompt's keys and values "
+                            f"Nemotron-Labs-Diffusion, DiffusionGemma): under {cfg.arch}'s full attention a prompt's keys and values "
                             f"depend on the answer; drop --prefix-cache-mb (prefix_cache)")
         if isinstance(mib, bool) or not isinstance(mib, (int, float)) or not mib > 0:
             raise DllmError(f"the prefix cache size must be a positive number of MiB, got {mib!r}")
         self.model, self.size, self.capacity = model, cfg.block_size or CAUSAL_CHUNK, int(mib * 2**20)
-        self.blocks: OrderedDict[bytes, Tensor] = OrderedDict()  # least recently used first
+        self.blocks: OrderedDict[bytes, tuple[Tensor, ...]] = OrderedDict()  # least recently used first
         self.nbytes = self.queried = self.hits = self.evicted = 0
 
     def keys(self, tokens: list[int]) -> list[bytes]:
@@ -81,11 +82,9 @@ class PrefixBlocks:
             self.queried += len(keys) * self.size
             self.hits += count * self.size
             if count:
-                span = torch.cat([self.blocks[key] for key in keys[:count]], dim=-2)
-                end = column + span.shape[-2]
-                for layer, (k, v) in enumerate(zip(kv.k, kv.v)):
-                    k[b, :, column:end] = span[0, layer]
-                    v[b, :, column:end] = span[1, layer]
+                end = column + count * self.size
+                for store, parts in zip((*kv.k, *kv.v), zip(*(self.blocks[key] for key in keys[:count]))):
+                    store[b, :, column:end] = torch.cat(parts, dim=-2)
             final = column + count * self.size if final is None else min(final, column + count * self.size)
         kv.final = final
 
@@ -96,15 +95,17 @@ class PrefixBlocks:
         for b, (tokens, column) in enumerate(zip(prefixes, columns)):
             keys = self.keys(tokens)
             new = self._kept(keys)
-            if new < len(keys):
-                lo, hi = column + new * self.size, column + len(keys) * self.size
-                span = torch.stack([torch.stack([t[b, :, lo:hi] for t in kind]) for kind in (kv.k, kv.v)])
-                for j, key in enumerate(keys[new:]):
-                    if key not in self.blocks:  # a block after an evicted one may still be kept
-                        block = self.blocks[key] = span[..., j * self.size:(j + 1) * self.size, :].clone()
-                        self.nbytes += block.numel() * block.element_size()
+            for j, key in enumerate(keys[new:], new):
+                if key not in self.blocks:  # a block after an evicted one may still be kept
+                    cols = slice(column + j * self.size, column + (j + 1) * self.size)
+                    block = self.blocks[key] = tuple(store[b, :, cols].clone() for store in (*kv.k, *kv.v))
+                    self.nbytes += _nbytes(block)
             self._used(keys)
         while self.nbytes > self.capacity:
             _, dropped = self.blocks.popitem(last=False)
-            self.nbytes -= dropped.numel() * dropped.element_size()
+            self.nbytes -= _nbytes(dropped)
             self.evicted += 1
+
+
+def _nbytes(block: tuple[Tensor, ...]) -> int:
+    return sum(t.numel() * t.element_size() for t in block)

@@ -173,16 +173,21 @@ def test_bench_serve_counts_fewer_rows_with_a_prefix_cache():
     assert rows[1] < rows[0]
 
 
-def test_causal_prefix_models_reuse_chunks_of_any_prompt():
-    """Nemotron-Labs-Diffusion encodes the prompt and finished blocks causally, so any run of tokens is exact to
-    reuse: chunks of 16, wherever the prompt ends."""
-    model = random_model("nemotron-diffusion-tiny", seed=1)
+@pytest.mark.parametrize("preset,sampler,args,block,steps", [
+    ("nemotron-diffusion-tiny", "threshold", {"threshold": 0.5}, 8, None),
+    ("diffusion-gemma-tiny", "entropy_bound", {}, 16, 6)])
+def test_causal_prefix_models_reuse_chunks_of_any_prompt(preset, sampler, args, block, steps):
+    """Nemotron-Labs-Diffusion and DiffusionGemma encode the prompt and finished blocks causally, so any run of
+    tokens is exact to reuse: chunks of 16, wherever the prompt ends (DiffusionGemma's layers hold keys of two
+    shapes). DiffusionGemma's steps are few: over near-equal entropies (random weights) its entropy bound orders
+    positions by differences of float rounding, as a padded row's do."""
+    model = random_model(preset, seed=1)
     shared = list(range(5, 45))  # 40 tokens: 2 whole chunks
     first, second = [shared + [50, 51], shared[:20] + [52, 53, 54]], [shared + [55], shared[:33]]
 
     def run(prompts, prefix=None):
-        return decoded(model, prompts, samplers.SAMPLERS.create("threshold", threshold=0.5),
-                       caches.CACHES.create("block"), 16, 8, prefix_cache=prefix)
+        return decoded(model, prompts, samplers.SAMPLERS.create(sampler, **args), caches.CACHES.create("block"),
+                       2 * block, block, steps, prefix_cache=prefix)
 
     prefix = caches.PrefixBlocks(model, 8)
     for prompts in (first, second):
