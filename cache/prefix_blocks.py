@@ -1,6 +1,6 @@
 """A prefix cache across generations for block-causal models (SDAR, LLaDA2, Fast-dLLM v2) and causal-prefix ones
-(Nemotron-Labs-Diffusion, DiffusionGemma): the keys and values of whole attention blocks, kept after a generation and reused by any
-later one whose tokens start the same way.
+(Nemotron-Labs-Diffusion, DiffusionGemma): the keys and values of whole attention blocks, kept after a generation and
+reused by any later one whose tokens start the same way.
 
 Why it is exact: under block-causal attention a block attends only to itself and earlier blocks, so its keys and
 values are a function of the tokens from the sequence start through its end, at their positions (under causal-prefix
@@ -44,8 +44,8 @@ class PrefixBlocks:
         cfg = model.config
         if not cfg.decoded_keys_fixed:
             raise DllmError(f"a prefix cache needs a block-causal or causal-prefix model (SDAR, LLaDA2, Fast-dLLM v2, "
-                            f"Nemotron-Labs-Diffusion, DiffusionGemma): under {cfg.arch}'s full attention a prompt's keys and values "
-                            f"depend on the answer; drop --prefix-cache-mb (prefix_cache)")
+                            f"Nemotron-Labs-Diffusion, DiffusionGemma): under {cfg.arch}'s full attention a prompt's "
+                            f"keys and values depend on the answer; drop --prefix-cache-mb (prefix_cache)")
         if isinstance(mib, bool) or not isinstance(mib, (int, float)) or not mib > 0:
             raise DllmError(f"the prefix cache size must be a positive number of MiB, got {mib!r}")
         self.model, self.size, self.capacity = model, cfg.block_size or CAUSAL_CHUNK, int(mib * 2**20)

@@ -59,7 +59,8 @@ def _add_prefix_cache_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-cache-mb", type=float, default=0,
                    help="keep the keys and values of finished blocks (up to this many MiB, least recently used "
                         "evicted) and reuse them for every request that starts with the same blocks; cache block on "
-                        "block-causal (SDAR, LLaDA2, Fast-dLLM v2) and causal-prefix (Nemotron, DiffusionGemma) models only")
+                        "block-causal (SDAR, LLaDA2, Fast-dLLM v2) and causal-prefix (Nemotron, DiffusionGemma) "
+                        "models only")
 
 
 def _policies(args, model=None) -> tuple[Any, Any]:

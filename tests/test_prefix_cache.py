@@ -98,8 +98,9 @@ def test_a_small_cache_evicts_least_recently_used_blocks_from_a_chains_end():
 
 def test_refusals():
     llada = dllm.load("tiny-llada")[0]
-    with pytest.raises(DllmError, match="a prefix cache needs a block-causal or causal-prefix model .* under llada's full attention a "
-                                        "prompt's keys and values depend on the answer; drop --prefix-cache-mb"):
+    with pytest.raises(DllmError, match="a prefix cache needs a block-causal or causal-prefix model .* under llada's "
+                                        "full attention a prompt's keys and values depend on the answer; drop "
+                                        "--prefix-cache-mb"):
         caches.PrefixBlocks(llada, 8)
     sdar = random_model("sdar-tiny")
     with pytest.raises(DllmError, match="cache 'none' recomputes them: use cache block or no prefix cache"):
