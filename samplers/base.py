@@ -209,7 +209,7 @@ class CausalFirst(Sampler):
         drawn = gumbel_argmax(causal, self.temperature, ctx.generators)  # [B, 1]
         width = ctx.positions.shape[0]
         return Commit(ctx.eligible & (ctx.positions == ctx.block_start), drawn.expand(-1, width),
-                      token_probability(causal, drawn).expand(-1, width))
+                      token_probability(causal, drawn).expand(-1, width), logits=causal.expand(-1, width, -1))
 
     def logit_window(self, prompt_length: int, length: int, start: int, end: int, step: int) -> tuple[int, int]:
         return (start - 1, end) if self.causal_first and step == 0 else (start, end)

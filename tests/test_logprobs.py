@@ -38,6 +38,8 @@ CASES = {  # model, sampler and its parameters, cache, the distribution its toke
                                          "block", tempered(1.0)),
     "nemotron leftmost T=0.6 block cache": ("nemotron-diffusion-tiny", "leftmost", {"temperature": 0.6}, "block",
                                             tempered(0.6)),
+    "nemotron threshold causal_first T=0.6": ("nemotron-diffusion-tiny", "threshold",
+                                              {"temperature": 0.6, "causal_first": True}, "block", tempered(0.6)),
 }
 
 
@@ -49,11 +51,12 @@ def load(name):
     return random_model(name, seed=1), PROMPTS
 
 
-def replay(model, prompt, answer_columns, steps, row, first, distribution, top, block_length):
+def replay(model, prompt, answer_columns, steps, row, first, distribution, top, block_length, causal_first=False):
     """Row `row` decoded again alone from the trace: before each traced step the model's full forward of the canvas
     as it stood (a causal-prefix model decoding the step's block), and each position written at that step (commits
-    and edits) gets its token's log-probability and the k best under `distribution` of those logits. Returns them
-    for the answer's columns."""
+    and edits) gets its token's log-probability and the k best under `distribution` of those logits (`causal_first`:
+    a block's first step commits from the row before it, the causal next-token prediction). Returns them for the
+    answer's columns."""
     cfg = model.config
     canvas = torch.tensor(prompt + [cfg.mask_id] * (answer_columns - len(prompt)))
     want = {}
@@ -68,9 +71,9 @@ def replay(model, prompt, answer_columns, steps, row, first, distribution, top, 
         log_probs = distribution(logits.double())
         for c in written:
             position = c["position"] - first
-            best = log_probs[position].topk(top)
-            want[position] = (c["token"], float(log_probs[position, c["token"]]), best.indices.tolist(),
-                              best.values.tolist())
+            drawn_from = log_probs[position - 1 if causal_first and step["step"] == 0 else position]
+            best = drawn_from.topk(top)
+            want[position] = (c["token"], float(drawn_from[c["token"]]), best.indices.tolist(), best.values.tolist())
             canvas[position] = c["token"]
     return [want[p] for p in sorted(want) if p >= len(prompt)]
 
@@ -93,7 +96,7 @@ def test_logprobs_equal_a_replay_of_the_traced_steps(case):
         got = batch.logprobs(row)
         assert [g.token for g in got] == batch.answer(row) and len(got) > 0
         want = replay(model, prompt, len(row.tokens), batch.trace, b, max(origins) - origins[b], distribution, 3,
-                      size or 8)
+                      size or 8, params.get("causal_first", False))
         for g, (token, logprob, ids, values) in zip(got, want):
             assert g.token == token and g.logprob == pytest.approx(logprob, abs=1e-4)
             assert [i for i, _ in g.top] == ids and [v for _, v in g.top] == pytest.approx(values, abs=1e-4)
