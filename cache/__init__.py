@@ -11,5 +11,7 @@ CACHES = Registry("cache", Cache)
 register = CACHES.register
 
 from . import blockwise, dkv, elastic  # noqa: E402,F401,I001  (registers none/prefix/dual, dkv/dkv_greedy, elastic)
+from .prefix_blocks import PrefixBlocks  # noqa: E402
 
-__all__ = ["CACHES", "Cache", "KVStore", "PassThrough", "PlanContext", "gather_rows", "register", "row_slots", "zeros"]
+__all__ = ["CACHES", "Cache", "KVStore", "PassThrough", "PlanContext", "PrefixBlocks", "gather_rows", "register",
+           "row_slots", "zeros"]

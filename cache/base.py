@@ -198,6 +198,8 @@ class Cache(Params):
     rows_coupled: ClassVar[bool] = False  # a row's refresh depends on its batch neighbours (so padded != alone)
     block_fresh: ClassVar[bool] = False  # recomputes every row at each block start: nothing in the store outlives
     # a block, so a batch can be laid out anew between blocks (rows joining and leaving, `dllm serve`)
+    keeps_final_blocks: ClassVar[bool] = False  # its store's `final`: the columns before it hold final keys and
+    # values of whole blocks, and a fresh store computes from there (`block`), so `PrefixBlocks` can fill and keep them
 
     def new_kv(self, model, batch: int, length: int, allocate: Callable[..., list[Tensor]] = zeros) -> PassThrough:
         """A fresh store for `batch` canvases of `length`, its memory from `allocate` (see `KVStore`)."""

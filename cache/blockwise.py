@@ -75,6 +75,7 @@ class BlockCache(Cache):
     verifies_drafts: ClassVar[bool] = True  # past step 0 its only state is the store (`final` is set at step 0)
     block_fresh: ClassVar[bool] = True  # a fresh store at a block start recomputes what it needs
     block_causal_only: ClassVar[bool] = True
+    keeps_final_blocks: ClassVar[bool] = True
 
     def new_kv(self, model, batch: int, length: int, allocate=zeros) -> KVStore:
         kv = super().new_kv(model, batch, length, allocate)

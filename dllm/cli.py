@@ -55,6 +55,14 @@ def _add_decoding_flags(p: argparse.ArgumentParser) -> None:
                    help="wrap prompts in the chat template (default: when the tokenizer has one)")
 
 
+def _add_prefix_cache_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefix-cache-mb", type=float, default=0,
+                   help="keep the keys and values of finished blocks (up to this many MiB, least recently used "
+                        "evicted) and reuse them for every request that starts with the same blocks; cache block on "
+                        "block-causal (SDAR, LLaDA2, Fast-dLLM v2) and causal-prefix (Nemotron, DiffusionGemma) "
+                        "models only")
+
+
 def _policies(args, model=None) -> tuple[Any, Any]:
     """The sampler and cache of the flags, checked before the model loads; no --sampler gives None until then, and
     given the `model` its family's (`engine.options.model_sampler`: DiffusionGemma's entropy_bound, with its
@@ -343,7 +351,10 @@ def _serve(args) -> int:
 
     _check_port(args.host, args.port)
     model, tok, defaults = _serve_setup(args)
-    engine = Engine(model, tok, args.name or args.model, defaults, args.max_batch, args.compile)
+    engine = Engine(model, tok, args.name or args.model, defaults, args.max_batch, args.compile, args.prefix_cache_mb)
+    if engine.prefix is not None and not caches.CACHES.get(defaults["cache"]).keeps_final_blocks:
+        raise DllmError(f"--prefix-cache-mb reuses the keys and values cache 'block' keeps; the default cache "
+                        f"{defaults['cache']!r} recomputes them: use --cache block or drop --prefix-cache-mb")
     try:  # the defaults on a one-token prompt: what would fail every request fails now
         engine.job({"prompt": [model.config.filler_id]}, chat=False)
     except DllmError as e:
@@ -362,10 +373,13 @@ def _bench_serve(args) -> int:
             from None
     if min(levels) < 1 or args.requests < 1:
         raise DllmError("--concurrency levels and --requests must be at least 1")
+    if args.system_prompt_tokens < 0:
+        raise DllmError(f"--system-prompt-tokens must be 0 (none) or more, got {args.system_prompt_tokens}")
     if args.plot:
         _check_writable_file(args.plot, "--plot")
     model, tok, defaults = _serve_setup(args)
-    result = bench_serve(model, tok, args.model, defaults, args.max_batch, args.requests, levels, args.compile)
+    result = bench_serve(model, tok, args.model, defaults, args.max_batch, args.requests, levels, args.compile,
+                         prefix_cache_mb=args.prefix_cache_mb, system_prompt_tokens=args.system_prompt_tokens)
     if args.plot and not plot_bench(result, args.plot):
         print("note: plot not drawn: matplotlib is missing; pip install 'dllm-fast[plot]'", file=sys.stderr)
     print(json.dumps(result) if args.json else format_bench(result), end="\n" if args.json else "")
@@ -446,6 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--name", default=None, help="model name clients send and /v1/models lists (default: --model)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for requests in flight before cancelling them")
+    _add_prefix_cache_flag(s)
     s.set_defaults(run=_serve)
     bs = sub.add_parser("bench-serve", help="served throughput and latency vs client concurrency, against "
                                             "sequential decoding (loopback server)")
@@ -454,6 +469,9 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--requests", type=int, default=64)
     bs.add_argument("--concurrency", default="1,4,16", help="client counts, comma-separated")
     bs.add_argument("--plot", metavar="FILE", help="tokens/s vs concurrency as a PNG (matplotlib)")
+    _add_prefix_cache_flag(bs)
+    bs.add_argument("--system-prompt-tokens", type=int, default=0,
+                    help="give every request one shared system message of about this many tokens")
     bs.add_argument("--json", action="store_true")
     bs.set_defaults(run=_bench_serve)
     ls = sub.add_parser("list", help="samplers, caches or models, with parameters and defaults")

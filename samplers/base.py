@@ -58,6 +58,8 @@ class Commit:
     again: Tensor | None = None  # [B] bool: rows that want another step of this block even with no mask left
     draft: Tensor | None = None  # [B, C] long: the next tokens of the uncommitted positions not committed now (a
     # uniform-state canvas, renoised)
+    logits: Tensor | None = None  # [B, C, V] the logits the tokens were drawn from when they are not the step's
+    # (CreditDecoding's fused logits); `log_distribution` of them is what `logprobs` reports
 
 
 @dataclass
@@ -69,6 +71,7 @@ class Sampler(Params):
     block_local: ClassVar[bool] = True  # decides from the current block alone (state reset per block; no use of
     # prompt_length, nfe or total_steps), so rows at different blocks can share a batch (`dllm serve`)
     edits: ClassVar[bool] = False  # rewrites decoded tokens of the current block (`Commit.edit`, `Commit.again`)
+    moves_tokens: ClassVar[bool] = False  # its edits move decoded tokens to other positions (insert/delete)
     commits_past_block: ClassVar[bool] = False  # may commit masks of later blocks (Prophet's early exit)
     reads_decoded_logits: ClassVar[bool] = False  # reads logits of decoded positions of its window (Prophet's gap)
     may_commit_nothing: ClassVar[bool] = False  # a step before the block's last may commit nothing (Dream's origin)
@@ -76,6 +79,13 @@ class Sampler(Params):
 
     def step(self, ctx: StepContext) -> Commit:
         raise NotImplementedError
+
+    def log_distribution(self, logits: Tensor) -> Tensor:
+        """Hook: the `[B, C, V]` log-probabilities of the distribution each token was drawn from, given the logits
+        it was drawn from (`Commit.logits`, else the step's): softmax(logits / T), the plain softmax at T = 0 (the
+        argmax of the model's distribution). What `logprobs=k` reports for each committed token."""
+        logits = logits.float()
+        return (logits / self.temperature if self.temperature else logits).log_softmax(-1)
 
     def prepare(self, tokenizer) -> None:
         """Hook, called by `dllm.generate` before decoding: read what the sampler needs from the tokenizer."""
@@ -199,7 +209,7 @@ class CausalFirst(Sampler):
         drawn = gumbel_argmax(causal, self.temperature, ctx.generators)  # [B, 1]
         width = ctx.positions.shape[0]
         return Commit(ctx.eligible & (ctx.positions == ctx.block_start), drawn.expand(-1, width),
-                      token_probability(causal, drawn).expand(-1, width))
+                      token_probability(causal, drawn).expand(-1, width), logits=causal.expand(-1, width, -1))
 
     def logit_window(self, prompt_length: int, length: int, start: int, end: int, step: int) -> tuple[int, int]:
         return (start - 1, end) if self.causal_first and step == 0 else (start, end)

@@ -26,9 +26,9 @@ class _DreamSampler(Sampler):
     top_k: int | None = param(None, "keep only the k most likely tokens (None = off)", ge=1)
     eps: float = param(1e-3, "terminal time of the grid linspace(1, eps, steps + 1)", gt=0.0, lt=1.0)
 
-    def propose(self, ctx: StepContext) -> tuple[Tensor, Tensor]:
-        """Return (tokens, probabilities) from the tempered, truncated distribution."""
-        logits = ctx.logits.double()
+    def truncated(self, logits: Tensor) -> Tensor:
+        """The tempered logits (float64) with the tokens outside top-p / top-k at -inf."""
+        logits = logits.double()
         if self.temperature > 0:
             logits = logits / self.temperature
         if self.top_p is not None and self.top_p < 1:
@@ -39,7 +39,15 @@ class _DreamSampler(Sampler):
         if self.top_k is not None:
             kth = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = logits.softmax(-1)
+        return logits
+
+    def log_distribution(self, logits: Tensor) -> Tensor:
+        """The tempered, truncated distribution the tokens are drawn from (its argmax at T = 0)."""
+        return self.truncated(logits).log_softmax(-1).float()
+
+    def propose(self, ctx: StepContext) -> tuple[Tensor, Tensor]:
+        """Return (tokens, probabilities) from the tempered, truncated distribution."""
+        probs = self.truncated(ctx.logits).softmax(-1)
         if self.temperature > 0:
             tokens = torch.stack([p.argmax(-1) if g is None else torch.multinomial(p, 1, generator=g)[:, 0]
                                   for p, g in zip(probs, ctx.generators)])

@@ -33,6 +33,7 @@ class JointThresholdInDel(Sampler):
     loop's rule), so the reference's fallback for a MASK argmax at an original mask never applies."""
 
     edits = True
+    moves_tokens = True  # DELETE and SPLIT shift the block's tokens
     may_commit_nothing = True  # a mask that receives DELETE is dropped and the block pads a new mask at its end
     threshold: float = param(0.5, "commit masks above this probability (mask -> token)", ge=0.0)
     edit_threshold: float = param(0.0, "rewrite a decoded token whose argmax differs above this probability",

@@ -50,7 +50,7 @@ class Credit(Sampler):
         fused = logits + alpha * torch.log1p(credit)
         tokens = gumbel_argmax(fused, self.temperature, ctx.generators)
         confidence = token_probability(fused, tokens)
-        return Commit(threshold_commit(confidence, ctx.eligible, self.threshold), tokens, confidence)
+        return Commit(threshold_commit(confidence, ctx.eligible, self.threshold), tokens, confidence, logits=fused)
 
 
 @register("localleap")

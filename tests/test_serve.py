@@ -196,10 +196,10 @@ def test_a_request_that_fails_to_join_fails_alone(tiny, monkeypatch):
     from dllm.engine import Batch
     add = Batch.add
 
-    def failing_add(self, ids, gen_length, seed):
+    def failing_add(self, ids, gen_length, seed, *more):
         if seed == 13:
             raise RuntimeError("boom")
-        return add(self, ids, gen_length, seed)
+        return add(self, ids, gen_length, seed, *more)
 
     monkeypatch.setattr(Batch, "add", failing_add)
     model, tok = tiny

@@ -11,13 +11,14 @@ from ..core.checks import check_seed
 from ..core.errors import DllmError
 from ..models import DiffusionLM
 from .checks import check_lengths
-from .loop import Batch, Row, decode
+from .logprobs import TokenLogprob, check_logprobs
+from .loop import Batch, Row, decoded
 from .options import decoding_lengths, default_cache, model_sampler, split_params
 from .stats import Stats
 from .text import answer_text, encode_prompts, is_token_id, warn_outside_format
 
 if TYPE_CHECKING:
-    from ..cache import Cache
+    from ..cache import Cache, PrefixBlocks
     from ..samplers import Sampler
 
 
@@ -30,6 +31,7 @@ class Generation:
     sampler: dict[str, Any]
     cache: dict[str, Any]
     trace: list[dict] | None = None
+    logprobs: list[list[TokenLogprob]] | None = None  # per row, one per token of token_ids (`logprobs=k`)
 
 
 def _prepare(model: DiffusionLM, tokenizer, prompts, sampler, cache, gen_length, block_length, steps, seed, chat,
@@ -59,7 +61,8 @@ def generate(model: DiffusionLM, tokenizer, prompts, sampler: str | Sampler | No
              steps: int | None = None, seed: int | list[int] = 0, chat: bool | None = None, stop_early: bool = True,
              trace: bool = False, sampler_args: dict[str, Any] | None = None,
              cache_args: dict[str, Any] | None = None, callback: Callable[[dict], None] | None = None,
-             compile: bool = False, **params: Any) -> Generation:
+             compile: bool = False, logprobs: int | None = None, prefix_cache: PrefixBlocks | None = None,
+             **params: Any) -> Generation:
     """Generate answers for a batch of prompts (strings, or lists of token ids).
 
     `params` go to the sampler or the cache by name (e.g. `threshold=0.9`, `temperature=0.5`,
@@ -73,19 +76,26 @@ def generate(model: DiffusionLM, tokenizer, prompts, sampler: str | Sampler | No
     gen_length (one token per step for schedule-driven samplers; DiffusionGemma: max_denoising_steps per
     canvas). `callback` is called after every step (see `decode`). `compile` runs the model under
     `torch.compile` (caches none, prefix, dual, block; the first calls compile, minutes on a CPU for a large
-    model)."""
+    model). `logprobs=k` gives every answer token's log-probability under the distribution the sampler
+    drew it from, at the step that committed it, with that distribution's k most probable tokens
+    (`Generation.logprobs`; `dllm.engine.logprobs`). `prefix_cache` (a `dllm.cache.PrefixBlocks`; block-causal
+    models, cache `block`) reuses the keys and values of whole blocks an earlier call kept for prompts that start
+    the same way (the answers do not change)."""
+    check_logprobs(logprobs)
     sampler, cache, lengths, ids = _prepare(model, tokenizer, prompts, sampler, cache, gen_length, block_length,
                                             steps, seed, chat, dict(stop_early=stop_early, trace=trace,
                                                                     compile=compile), sampler_args, cache_args, params)
-    canvas, stats, steps_trace = decode(model, ids, sampler, cache, **lengths, seed=seed, stop_early=stop_early,
-                                        trace=trace, callback=callback, compile=compile)
+    batch = decoded(model, ids, sampler, cache, **lengths, seed=seed, stop_early=stop_early, trace=trace,
+                    callback=callback, compile=compile, logprobs=logprobs, prefix_cache=prefix_cache)
+    canvas, stats = batch.canvas, batch.finish()
     cfg = model.config
     token_ids = []
     for row, a, b in zip(canvas.tokens.tolist(), canvas.gen_start.tolist(), canvas.gen_end.tolist()):
         row = row[a:b]
         token_ids.append(row[:next((i for i, t in enumerate(row) if t in cfg.stop_ids), len(row))])
     return Generation([answer_text(tokenizer, ids) for ids in token_ids], token_ids, canvas.tokens, stats,
-                      sampler.config(), cache.config(), steps_trace)
+                      sampler.config(), cache.config(), batch.trace,
+                      None if logprobs is None else [batch.logprobs(row) for row in batch.rows])
 
 
 class Stream:
@@ -108,7 +118,8 @@ class Stream:
                 text = new
         if self.generation is None:
             self.generation = Generation([text], [ids], batch.canvas.tokens, batch.finish(), batch.sampler.config(),
-                                         batch.cache.config(), batch.trace)
+                                         batch.cache.config(), batch.trace,
+                                         None if self.row.logprobs is None else [batch.logprobs(self.row)])
 
 
 def stream(model: DiffusionLM, tokenizer, prompt, sampler: str | Sampler | None = None,
@@ -116,7 +127,7 @@ def stream(model: DiffusionLM, tokenizer, prompt, sampler: str | Sampler | None 
            steps: int | None = None, seed: int = 0, chat: bool | None = None, stop_early: bool = True,
            trace: bool = False, sampler_args: dict[str, Any] | None = None,
            cache_args: dict[str, Any] | None = None, callback: Callable[[dict], None] | None = None,
-           compile: bool = False, **params: Any) -> Stream:
+           compile: bool = False, logprobs: int | None = None, **params: Any) -> Stream:
     """`generate` for one prompt, its answer's text given block by block as it is decoded:
 
         s = dllm.stream(model, tok, "reverse: abc", sampler="threshold", cache="dual")
@@ -129,6 +140,7 @@ def stream(model: DiffusionLM, tokenizer, prompt, sampler: str | Sampler | None 
     if not one:
         raise DllmError(f"stream takes one prompt (a string or a list of token ids), got {prompt!r}; "
                         f"use generate for a batch")
+    check_logprobs(logprobs)
     sampler, cache, lengths, ids = _prepare(model, tokenizer, [prompt], sampler, cache, gen_length, block_length,
                                             steps, seed, chat, dict(stop_early=stop_early, trace=trace,
                                                                     compile=compile), sampler_args, cache_args, params)
@@ -137,4 +149,4 @@ def stream(model: DiffusionLM, tokenizer, prompt, sampler: str | Sampler | None 
     batch = Batch(model, sampler, cache, lengths["block_length"], steps_per_block, stop_early, trace,
                   callback=callback, compile=compile)
     return Stream(tokenizer, batch, batch.add(ids[0], lengths["gen_length"], seed[0] if isinstance(seed, list)
-                                              else seed))
+                                              else seed, logprobs))

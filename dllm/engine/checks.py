@@ -92,6 +92,17 @@ def check_policies(model: DiffusionLM, sampler: Sampler, cache: Cache, compile: 
                         f"other type); use --dtype bfloat16 or drop --compile")
 
 
+def check_prefix_cache(model: DiffusionLM, cache: Cache, prefix_cache) -> None:
+    """A prefix cache (`cache.PrefixBlocks`) is made for this model and filled through the cache's store."""
+    if prefix_cache is None:
+        return
+    if not cache.keeps_final_blocks:
+        raise DllmError(f"a prefix cache reuses the finished blocks' keys and values that cache 'block' keeps; cache "
+                        f"{cache.name!r} recomputes them: use cache block or no prefix cache")
+    if prefix_cache.model is not model:
+        raise DllmError("this prefix cache holds another model's keys and values; make one per model")
+
+
 def check_block_layout(model: DiffusionLM, block_length: int) -> None:
     size = model.config.block_size
     if size and block_length != size:

@@ -15,12 +15,13 @@ from .. import samplers as samplers_mod
 from ..core.errors import DllmError
 from ..models import DiffusionLM, Rows
 from .canvas import Canvas
-from .checks import check_block_layout, check_lengths, check_policies
+from .checks import check_block_layout, check_lengths, check_policies, check_prefix_cache
+from .logprobs import Captured, TokenLogprob, check_logprobs, token_logprobs
 from .runner import Runner, clock
 from .stats import Stats, trace_step
 
 if TYPE_CHECKING:
-    from ..cache import Cache
+    from ..cache import Cache, PrefixBlocks
     from ..samplers import Sampler
 
 
@@ -37,6 +38,8 @@ class Row:
     tokens: Tensor  # [len(prompt) + gen_length] as of the last layout
     decoded: int = 0  # positions from `origin` before the current block (whole blocks), as of the last layout
     finished: bool = False  # a stop token committed with nothing uncommitted before it
+    logprobs: int | None = None  # alternatives per token to capture with its log-probability (None: not captured)
+    captured: tuple[Tensor, Tensor] | None = None  # its `Captured` columns, as of the last layout
 
 
 class Batch:
@@ -49,27 +52,36 @@ class Batch:
 
     `profile` times every forward into `stats.forward_seconds`; `callback` is called after every step with
     `{"block", "step", "committed"}`; `compile` runs the model compiled (`compiled_run`; caches none, prefix, dual).
+    `prefix_cache` (a `cache.PrefixBlocks`; block-causal and causal-prefix models, cache `block`) fills each layout's
+    store with the kept keys and values of the rows' finished blocks, and keeps the blocks each block start makes
+    final.
     The host waits for the device once per step (has the block any mask left?) and once per block."""
 
     def __init__(self, model: DiffusionLM, sampler: Sampler, cache: Cache, block_length: int, steps_per_block: int,
                  stop_early: bool = True, trace: bool = False, profile: bool = False,
-                 callback: Callable[[dict], None] | None = None, compile: bool = False):
+                 callback: Callable[[dict], None] | None = None, compile: bool = False,
+                 prefix_cache: PrefixBlocks | None = None):
         check_policies(model, sampler, cache, compile)
         check_block_layout(model, block_length)
+        check_prefix_cache(model, cache, prefix_cache)
         self.model, self.sampler, self.cache = model, sampler, cache
         self.block_length, self.steps_per_block = block_length, steps_per_block
         self.stop_early, self.profile, self.callback, self.compile = stop_early, profile, callback, compile
+        self.prefix = prefix_cache
         self.joins_between_blocks = sampler.block_local and cache.block_fresh
         self.family = "dream" if model.config.logit_shift else "llada"  # for the defaults papers set per family
         self.rows: list[Row] = []
         self.stats, self.trace = Stats(batch=0, rows_per_layer=[0] * model.config.n_layers), [] if trace else None
         self.canvas: Canvas | None = None  # None: rows changed since the last layout
         self.runner: Runner | None = None
+        self.captured: Captured | None = None  # the rows' log-probabilities, when a row asked for them
         self._saved = True  # the rows hold what the canvas holds
         self.block = 0  # blocks run
 
-    def add(self, prompt: list[int], gen_length: int, seed: int = 0) -> Row:
-        """A row for `prompt` with `gen_length` answer tokens (whole blocks), decoded from the next block on."""
+    def add(self, prompt: list[int], gen_length: int, seed: int = 0, logprobs: int | None = None) -> Row:
+        """A row for `prompt` with `gen_length` answer tokens (whole blocks), decoded from the next block on;
+        `logprobs=k` captures each token's log-probability with k alternatives (`Batch.logprobs`)."""
+        logprobs = check_logprobs(logprobs, self.sampler)
         if self.rows and not self.joins_between_blocks and self.block:
             raise DllmError(f"sampler {self.sampler.name!r} with cache {self.cache.name!r} cannot take rows into a "
                             f"running batch (the sampler must look only at the current block and the cache "
@@ -83,7 +95,8 @@ class Batch:
             origin = len(prompt) // size * size
             gen_length = -(-(len(prompt) + gen_length) // size) * size - len(prompt)
         tokens = torch.tensor(list(prompt) + [model.config.placeholder_id] * gen_length, dtype=torch.long)
-        row = Row(list(prompt), gen_length, origin, torch.Generator(device=model.device).manual_seed(seed), tokens)
+        row = Row(list(prompt), gen_length, origin, torch.Generator(device=model.device).manual_seed(seed), tokens,
+                  logprobs=logprobs)
         self._save()
         self.rows.append(row)
         self.canvas = None
@@ -115,6 +128,16 @@ class Batch:
         stops = self.model.config.stop_ids
         return ids[:next((i for i, t in enumerate(ids) if t in stops), len(ids))]
 
+    def logprobs(self, row: Row) -> list[TokenLogprob]:
+        """The tokens of `row`'s `answer` with their log-probabilities (a row added with `logprobs`)."""
+        ids = self.answer(row)
+        if row.logprobs is None:
+            raise DllmError("this row was added without logprobs; add it with logprobs=k (0: no alternatives)")
+        if row.captured is None:
+            return []
+        answer = slice(len(row.prompt), None)
+        return token_logprobs((row.captured[0][answer], row.captured[1][answer]), ids, row.logprobs)
+
     def done(self, row: Row) -> bool:
         """Nothing left to decode: a stop committed, or every block of the row decoded."""
         self._save()
@@ -135,6 +158,8 @@ class Batch:
             row.tokens = canvas.tokens[b, first:first + len(row.tokens)].clone()
             row.decoded = min(self.start - first - row.origin, len(row.tokens) - row.origin)
             row.finished = finished[b]
+            if self.captured is not None:
+                row.captured = self.captured.cut(b, first, len(row.tokens))
         self._saved = True
 
     def _layout(self) -> None:
@@ -143,8 +168,14 @@ class Batch:
         before = [row.origin + row.decoded for row in rows]  # tokens left of the current block
         self.canvas = Canvas.lay_out(model, [row.tokens for row in rows], before, [len(row.prompt) for row in rows])
         self.start, self._saved = max(before), False
+        self.firsts = [self.start - n for n in before]  # the column of each row's first token
+        wanted = [row.logprobs for row in rows if row.logprobs is not None]
+        self.captured = None if not wanted else Captured.lay_out(
+            [row.captured for row in rows], self.firsts, self.canvas.tokens.shape[1], max(wanted), model.device)
         self._count_store()
         self.runner = Runner(model, self.canvas, self.cache, self.stats, self.profile, self.compile)
+        if self.prefix is not None:
+            self.prefix.load(self.runner.kv, [row.tokens[:n].tolist() for row, n in zip(rows, before)], self.firsts)
         self.stats.batch = max(self.stats.batch, len(rows))
         self.state = SimpleNamespace()  # the sampler's per-run state
         self.generators = [row.generator for row in rows]
@@ -203,6 +234,8 @@ class Batch:
             self._after_step(ctx, out, commit, counted)
             open_now = self._open_rows_checked(ctx, out, checks)  # the step's one wait for the device
             step += 1
+        if self.prefix is not None:
+            self._keep_final_blocks()
         self.start, self.block, self._saved = end, self.block + 1, False
         self.stats.seconds += clock(self.model.device) - began
         self.stats.gen_tokens += int(committed)
@@ -215,6 +248,19 @@ class Batch:
         if tokens is not None:
             block = self.canvas.tokens[:, start:end]
             block.copy_(torch.where(self.canvas.pending(slice(start, end)) & self.unfinished[:, None], tokens, block))
+
+    def _keep_final_blocks(self) -> None:
+        """Offer the prefix cache every row's blocks whose keys and values the store holds final (those before the
+        block, made final by its first forward)."""
+        final = self.runner.kv.final
+        tokens = self.canvas.tokens[:, :final].tolist()
+        self.prefix.save(self.runner.kv, [row[first:] for row, first in zip(tokens, self.firsts)], self.firsts)
+
+    @property
+    def rows_computed(self) -> int:
+        """Token rows the network computed so far, summed over layers (retired stores' counts and the live one's)."""
+        live = self.runner.kv.rows_per_layer if self.runner is not None else []
+        return sum(self.stats.rows_per_layer) + sum(live)
 
     def _plan(self, step: int, start: int, end: int) -> tuple[int, int, Rows]:
         """The candidate window `[lo, hi)` of a step and the rows the cache computes for it."""
@@ -295,6 +341,9 @@ class Batch:
         stalled = ((ctx.eligible.any(1) > (commit & ctx.eligible).any(1)).any() if not self.sampler.may_commit_nothing
                    else self.never)
         written = commit if ctx.editable is None or out.edit is None else commit | (out.edit & ctx.editable)
+        if self.captured is not None:  # the committed (and edited) tokens, not a renoised canvas's drafts
+            drawn_from = ctx.logits if out.logits is None else out.logits
+            self.captured.write(written, lo, hi, self.sampler.log_distribution(drawn_from), out.tokens)
         new = out.tokens
         if out.draft is not None:  # positions that stay uncommitted take the draft (a uniform-state canvas renoised)
             written, new = ctx.masked, torch.where(commit, out.tokens, out.draft)
@@ -309,10 +358,12 @@ class Batch:
 
     def _after_step(self, ctx: samplers_mod.StepContext, out: samplers_mod.Commit, commit: Tensor,
                     counted: list[int] | None) -> None:
-        """The step's trace, finished rows (a stop token with nothing masked before it) and callback."""
+        """The step's trace, finished rows (a stop token with nothing uncommitted before it) and callback."""
         if self.trace is not None:
             rows_per_layer = [now - before for now, before in zip(self.runner.kv.rows_per_layer, counted)]
-            self.trace.append(trace_step(self.block, ctx.step, rows_per_layer, ctx.positions, commit, out, ctx.logits))
+            edited = None if ctx.editable is None or out.edit is None else out.edit & ctx.editable
+            self.trace.append(trace_step(self.block, ctx.step, rows_per_layer, ctx.positions, commit, out, ctx.logits,
+                                         edited))
         if self.stop_early:
             self._set_finished(self.canvas.finish_rows(self.finished, self.model.config))
         if self.callback is not None:
@@ -343,11 +394,25 @@ def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache
     the final canvas, statistics and (optionally) a per-step trace. `profile` times every forward (synchronizing
     the device) into `stats.forward_seconds` by kind: `full` (every canvas row computed), `cached` (the other
     rows read from the cache), `verify` (draft batches). See `Batch` for `callback` and `compile`."""
+    batch = decoded(model, prompts, sampler, cache, gen_length, block_length, steps, seed, stop_early, trace, profile,
+                    callback, compile)
+    return batch.canvas, batch.finish(), batch.trace
+
+
+@torch.no_grad()
+def decoded(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache: Cache, gen_length: int,
+            block_length: int, steps: int | None = None, seed: int | list[int] = 0, stop_early: bool = True,
+            trace: bool = False, profile: bool = False, callback: Callable[[dict], None] | None = None,
+            compile: bool = False, logprobs: int | None = None, prefix_cache: PrefixBlocks | None = None) -> Batch:
+    """`decode`'s batch once decoded: its rows' answers and (`logprobs=k`) their log-probabilities; `prefix_cache`
+    as `Batch`'s."""
     steps_per_block = check_lengths(gen_length, block_length, steps, uniform=model.config.mask_id is None)
     Canvas.check(model, prompts, gen_length)  # every prompt's error before any work
-    batch = Batch(model, sampler, cache, block_length, steps_per_block, stop_early, trace, profile, callback, compile)
+    check_logprobs(logprobs)
+    batch = Batch(model, sampler, cache, block_length, steps_per_block, stop_early, trace, profile, callback, compile,
+                  prefix_cache)
     for ids, row_seed in zip(prompts, seed if isinstance(seed, list) else [seed] * len(prompts)):
-        batch.add(ids, gen_length, row_seed)
+        batch.add(ids, gen_length, row_seed, logprobs)
     while batch.running:
         batch.run_block()
-    return batch.canvas, batch.finish(), batch.trace
+    return batch

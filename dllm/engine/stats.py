@@ -34,10 +34,16 @@ class Stats:
         return {**asdict(self), "tpf": self.tpf, "tokens_per_second": self.tokens_per_second}
 
 
-def trace_step(block, step, rows_per_layer, candidates, commit, out, logits) -> dict:
+def trace_step(block, step, rows_per_layer, candidates, commit, out, logits, edited=None) -> dict:
+    """A step's record: per row its commits (masked positions given a token) and, for token-editing samplers
+    (`edited` `[B, C]`), the decoded positions it rewrote."""
     top2 = torch.softmax(logits.double(), -1).topk(2, dim=-1).values
     gap = top2[..., 0] - top2[..., 1]
-    return {"block": block, "step": step, "rows_per_layer": rows_per_layer,
-            "commits": [[{"position": int(candidates[c]), "token": int(out.tokens[b, c]),
-                          "confidence": float(out.confidence[b, c]), "top2_gap": float(gap[b, c])}
-                         for c in commit[b].nonzero()[:, 0].tolist()] for b in range(commit.shape[0])]}
+    record = {"block": block, "step": step, "rows_per_layer": rows_per_layer,
+              "commits": [[{"position": int(candidates[c]), "token": int(out.tokens[b, c]),
+                            "confidence": float(out.confidence[b, c]), "top2_gap": float(gap[b, c])}
+                           for c in commit[b].nonzero()[:, 0].tolist()] for b in range(commit.shape[0])]}
+    if edited is not None:
+        record["edits"] = [[{"position": int(candidates[c]), "token": int(out.tokens[b, c])}
+                            for c in edited[b].nonzero()[:, 0].tolist()] for b in range(edited.shape[0])]
+    return record

@@ -78,7 +78,7 @@ _QWEN3_IDS = dict(mask_id=151669, pad_id=151643, stop_ids=(151643, 151645), fill
 PRESETS = {
     "sdar-4b": _preset(2560, 36, 32, 8, 128, 9728, 151936, **_QWEN3_IDS),  # ../shared/data/sdar-4b-chat
     "sdar-8b": _preset(4096, 36, 32, 8, 128, 12288, 151936, **_QWEN3_IDS),
-    "sdar-tiny": _preset(64, 2, 4, 2, 32, 96, 128, max_length=512),
+    "sdar-tiny": _preset(64, 2, 4, 2, 32, 96, 128, max_length=2048),  # room for long shared prompts (bench-serve)
     "sdar-moe-tiny": _preset(64, 2, 4, 2, 16, 0, 128, max_length=512,
                              moe=MoEConfig(n_experts=8, top_k=2, expert_size=16, normalize=True)),
 }

@@ -7,36 +7,44 @@ from typing import Any
 
 import torch
 
+from ..engine.text import encode_text
 from .client import load, post
 from .http import LocalServer
 from .scheduler import Engine
 
 
 def bench_serve(model, tokenizer, name: str, defaults: dict[str, Any], max_batch: int = 8, requests: int = 64,
-                concurrency: tuple[int, ...] = (1, 4, 16), compile: bool = False, seed: int = 0) -> dict:
-    """Throughput and latency of `requests` chat requests (synthetic tasks) at each client concurrency against a
-    loopback server, and of the same prompts decoded one after another with `dllm.generate`; every served answer
-    is compared with its sequential one."""
+                concurrency: tuple[int, ...] = (1, 4, 16), compile: bool = False, seed: int = 0,
+                prefix_cache_mb: float = 0, system_prompt_tokens: int = 0) -> dict:
+    """Throughput and latency of `requests` chat requests (synthetic tasks; with `system_prompt_tokens`, all after
+    one shared system message of that length) at each client concurrency against a loopback server, and of the same
+    prompts decoded one after another with `dllm.generate`; every served answer is compared with its sequential
+    one. `rows` counts the token rows the network computed per layer (what a prefix cache saves)."""
     from ..engine import generate
     from ..eval.synthetic import FAMILIES, make_split
 
     prompts = [ex.prompt for ex in make_split("test", -(-requests // len(FAMILIES)), seed=seed)][:requests]
-    engine = Engine(model, tokenizer, name, defaults, max_batch, compile)
-    bodies = [{"messages": [{"role": "user", "content": p}]} for p in prompts]
+    engine = Engine(model, tokenizer, name, defaults, max_batch, compile, prefix_cache_mb)
+    system = [{"role": "system", "content": system_prompt(tokenizer, system_prompt_tokens)}] if system_prompt_tokens \
+        else []
+    bodies = [{"messages": [*system, {"role": "user", "content": p}]} for p in prompts]
+    ids = [engine.job(body, chat=True).ids for body in bodies]
     job = engine.job(bodies[0], chat=True)  # the decoding every request gets
-    options = dict(sampler=job.sampler, cache=job.cache, **job.lengths, seed=job.seed, chat=True, compile=compile)
-    generate(model, tokenizer, prompts[0], **options)  # warm-up
+    options = dict(sampler=job.sampler, cache=job.cache, **job.lengths, seed=job.seed, compile=compile)
+    generate(model, tokenizer, [ids[0]], **options)  # warm-up
     began = time.perf_counter()
-    sequential = [generate(model, tokenizer, p, **options) for p in prompts]
+    sequential = [generate(model, tokenizer, [prompt], **options) for prompt in ids]
     seconds = time.perf_counter() - began
     want = [g.texts[0] for g in sequential]
     tokens = sum(len(g.token_ids[0]) for g in sequential)
+    layers = model.config.n_layers
     rows = [{"concurrency": "sequential", "seconds": seconds, "requests_per_s": len(prompts) / seconds,
              "tokens_per_s": tokens / seconds, "p50_s": None, "p99_s": None, "speedup": 1.0, "errors": 0,
-             "mismatches": 0}]
+             "mismatches": 0, "rows": sum(sum(g.stats.rows_per_layer) for g in sequential) // layers}]
     with LocalServer(engine) as local:
         post(local.url + "/v1/chat/completions", bodies[0])  # warm-up
         for level in concurrency:
+            computed = rows_computed(engine)
             run = load(local.url + "/v1/chat/completions", bodies, level)
             ok = [(answer, latency) for status, answer, latency in run["results"] if status == 200]
             texts = [answer["choices"][0]["message"]["content"] if status == 200 else None
@@ -49,24 +57,46 @@ def bench_serve(model, tokenizer, name: str, defaults: dict[str, Any], max_batch
                          "p99_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
                          "speedup": served / run["seconds"] / (tokens / seconds),
                          "errors": len(prompts) - len(ok),
-                         "mismatches": sum(t is not None and t != w for t, w in zip(texts, want))})
+                         "mismatches": sum(t is not None and t != w for t, w in zip(texts, want)),
+                         "rows": (rows_computed(engine) - computed) // layers})
     config = {"model": name, "sampler": job.sampler.name, "cache": job.cache.name, **job.lengths,
               "max_batch": max_batch, "requests": len(prompts), "device": str(model.device),
-              "threads": torch.get_num_threads(), "threads_chosen_by": model.threads.get("chosen_by")}
+              "threads": torch.get_num_threads(), "threads_chosen_by": model.threads.get("chosen_by"),
+              "prefix_cache_mb": prefix_cache_mb,
+              "prompt_tokens": sum(map(len, ids)) / len(ids), "system_prompt_tokens": system_prompt_tokens}
+    if engine.prefix is not None:
+        config["prefix_cache_hit_tokens"] = engine.prefix.hits
     return {"config": config, "rows": rows}
+
+
+def rows_computed(engine: Engine) -> int:
+    return int(engine.metrics.registry.get_sample_value("dllm_rows_computed_total"))
+
+
+SYSTEM_TEXT = "you are a careful assistant. read the task, then answer with the result alone, exactly as asked. "
+
+
+def system_prompt(tokenizer, tokens: int) -> str:
+    """A system message of `tokens` tokens (at most; exactly for the tiny models' character tokenizers)."""
+    text = SYSTEM_TEXT * (tokens // len(encode_text(tokenizer, SYSTEM_TEXT, "the system prompt")) + 1)
+    while len(encode_text(tokenizer, text, "the system prompt")) > tokens:
+        text = text[:-1]
+    return text
 
 
 def format_bench(result: dict) -> str:
     c = result["config"]
+    prefix = f" | prefix cache {c['prefix_cache_mb']:g} MiB" if c.get("prefix_cache_mb") else ""
     lines = [f"{c['model']} {c['sampler']}/{c['cache']} gen {c['gen_length']} block {c['block_length']} | "
-             f"max batch {c['max_batch']} | {c['requests']} requests | {c['device']}, {c['threads']} threads",
+             f"max batch {c['max_batch']} | {c['requests']} requests, prompts of {c['prompt_tokens']:.0f} tokens"
+             f"{prefix} | {c['device']}, {c['threads']} threads",
              f"{'clients':>10} {'req/s':>7} {'tok/s':>8} {'p50 s':>7} {'p99 s':>7} {'speedup':>8} {'errors':>6} "
-             f"{'differ':>6}"]
+             f"{'differ':>6} {'rows':>8}"]
     for r in result["rows"]:
         p50 = "-" if r["p50_s"] is None else f"{r['p50_s']:.3f}"
         p99 = "-" if r["p99_s"] is None else f"{r['p99_s']:.3f}"
         lines.append(f"{r['concurrency']:>10} {r['requests_per_s']:7.2f} {r['tokens_per_s']:8.1f} {p50:>7} "
-                     f"{p99:>7} {r['speedup']:7.2f}x {r['errors']:6d} {r['mismatches']:6d}")
+                     f"{p99:>7} {r['speedup']:7.2f}x {r['errors']:6d} {r['mismatches']:6d} {r['rows']:8d}")
     return "\n".join(lines) + "\n"
 
 

@@ -6,6 +6,7 @@ import threading
 import time
 
 from ..core.errors import DllmError
+from .logprobs import LogprobsFormat
 from .requests import Job
 from .scheduler import Engine, ShuttingDown
 
@@ -47,8 +48,9 @@ def create_app(engine: Engine):
         except ShuttingDown as e:
             return error(503, str(e), "unavailable")
         base = {"id": ("chatcmpl-" if chat else "cmpl-") + job.id, "created": int(job.created), "model": engine.name}
+        logprobs = LogprobsFormat(engine.tokenizer, chat)
         if job.stream:
-            return StreamingResponse(_sse(job, base, chat, request), media_type="text/event-stream")
+            return StreamingResponse(_sse(job, base, chat, request, logprobs), media_type="text/event-stream")
         while True:
             event = await _next_event(job, request)
             if event is None:
@@ -56,11 +58,12 @@ def create_app(engine: Engine):
             if event["kind"] == "error":
                 return error(event["status"], event["message"], "server_error")
             if event["kind"] == "done":
-                choice = {"index": 0, "finish_reason": event["finish_reason"]}
+                choice = {"index": 0, "finish_reason": event["finish_reason"],
+                          "logprobs": None if event["logprobs"] is None else logprobs(event["logprobs"])}
                 if chat:
                     choice["message"] = {"role": "assistant", "content": event["text"]}
                 else:
-                    choice.update(text=event["text"], logprobs=None)
+                    choice["text"] = event["text"]
                 return {**base, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
                         "usage": event["usage"]}
 
@@ -117,16 +120,17 @@ async def _next_event(job: Job, request) -> dict | None:
                 return None
 
 
-async def _sse(job: Job, base: dict, chat: bool, request):
-    """Server-sent events: a chunk per decoded block, then the finish reason (and usage), then [DONE]."""
+async def _sse(job: Job, base: dict, chat: bool, request, logprobs: LogprobsFormat):
+    """Server-sent events: a chunk per decoded block (with its tokens' logprobs when asked), then the finish reason
+    (and usage, and the logprobs of tokens whose text was not sent: a stop string's), then [DONE]."""
     kind = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(text: str | None, reason: str | None, **extra) -> str:
+    def chunk(text: str | None, reason: str | None, tokens: list | None, **extra) -> str:
+        choice = {"index": 0, "finish_reason": reason, "logprobs": logprobs(tokens) if tokens else None}
         if chat:
-            delta = {} if text is None else {"role": "assistant", "content": text}
-            choice = {"index": 0, "delta": delta, "finish_reason": reason}
+            choice["delta"] = {} if text is None else {"role": "assistant", "content": text}
         else:
-            choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+            choice["text"] = text or ""
         return f"data: {json.dumps({**base, 'object': kind, 'choices': [choice], **extra})}\n\n"
 
     try:
@@ -135,12 +139,12 @@ async def _sse(job: Job, base: dict, chat: bool, request):
             if event is None:
                 return
             if event["kind"] == "delta":
-                yield chunk(event["text"], None)
+                yield chunk(event["text"], None, event["logprobs"])
             elif event["kind"] == "error":
                 yield f"data: {json.dumps({'error': {'message': event['message'], 'code': event['status']}})}\n\n"
                 break
             else:
-                yield chunk(None, event["finish_reason"], usage=event["usage"])
+                yield chunk(None, event["finish_reason"], event["logprobs"], usage=event["usage"])
                 break
         yield "data: [DONE]\n\n"
     finally:

@@ -4,7 +4,7 @@
 class Metrics:
     """Prometheus metrics of one server (its own registry)."""
 
-    def __init__(self):
+    def __init__(self, prefix_cache=None):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = r = CollectorRegistry()
@@ -14,6 +14,8 @@ class Metrics:
         self.tokens = Counter("dllm_generated_tokens", "Answer tokens sent", registry=r)
         self.committed = Counter("dllm_committed_tokens", "Tokens committed by the sampler", registry=r)
         self.forwards = Counter("dllm_forwards", "Model forwards", registry=r)
+        self.rows_computed = Counter("dllm_rows_computed", "Token rows the network computed, summed over layers",
+                                     registry=r)
         self.tokens_per_forward = Gauge("dllm_tokens_per_forward", "Committed tokens per forward (all rows), "
                                         "since start", registry=r)
         self.queue = Gauge("dllm_queue_depth", "Requests waiting for a batch slot", registry=r)
@@ -23,8 +25,30 @@ class Metrics:
                                  buckets=buckets, registry=r)
         self.first_block = Histogram("dllm_first_block_seconds", "Submit to the first final block",
                                      buckets=buckets, registry=r)
+        if prefix_cache is not None:
+            r.register(_PrefixCacheCollector(prefix_cache))
 
     def text(self) -> bytes:
         from prometheus_client import generate_latest
 
         return generate_latest(self.registry)
+
+
+class _PrefixCacheCollector:
+    """The prefix cache's counters (`cache.PrefixBlocks`), read at each scrape."""
+
+    def __init__(self, prefix):
+        self.prefix = prefix
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        p = self.prefix
+        yield CounterMetricFamily("dllm_prefix_cache_queried_tokens", "Tokens of whole blocks before rows' current "
+                                  "blocks looked up at each batch layout", value=p.queried)
+        yield CounterMetricFamily("dllm_prefix_cache_hit_tokens", "Of those, tokens whose keys and values were "
+                                  "reused", value=p.hits)
+        yield CounterMetricFamily("dllm_prefix_cache_evicted_blocks", "Blocks evicted (least recently used)",
+                                  value=p.evicted)
+        yield GaugeMetricFamily("dllm_prefix_cache_bytes", "Bytes of kept keys and values", value=p.nbytes)
+        yield GaugeMetricFamily("dllm_prefix_cache_blocks", "Blocks kept", value=len(p.blocks))

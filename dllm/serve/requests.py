@@ -14,12 +14,13 @@ from ..core.checks import check_int, check_seed
 from ..core.errors import DllmError
 from ..engine.canvas import Canvas
 from ..engine.checks import check_policies
+from ..engine.logprobs import check_logprobs
 from ..engine.options import decoding_lengths, lengths_for_answer, split_params
 from ..engine.text import check_plain_text, encode_prompts, warn_outside_format
 
 OPENAI_FIELDS = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "seed", "stream",
                  "n", "stop", "user", "stream_options", "ignore_eos",  # ignore_eos as vLLM: decode every block
-                 "top_p", "frequency_penalty", "presence_penalty"}
+                 "top_p", "frequency_penalty", "presence_penalty", "logprobs", "top_logprobs"}
 
 NEUTRAL = {"top_p": 1, "frequency_penalty": 0, "presence_penalty": 0}  # what clients send by default; no other value
 
@@ -42,6 +43,8 @@ class Job:
     key: tuple  # requests with equal keys can share a batch
     steps_per_block: int = 0
     stop_early: bool = True
+    logprobs: int | None = None  # alternatives per answer token with its log-probability (None: none asked)
+    logprobs_sent: int = 0  # answer tokens whose log-probabilities were sent
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None
     cancelled: bool = False
@@ -88,6 +91,7 @@ class RequestReader:
         stop = [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
             raise DllmError(f"stop must be a string or a list of non-empty strings, got {body.get('stop')!r}")
+        logprobs = _logprobs(body, chat)
         ids = self._prompt_ids(body, chat)
         params = {k: v for k, v in body.items() if k not in OPENAI_FIELDS and k not in LAYOUT_FIELDS
                   and k not in ("sampler", "cache", "sampler_args", "cache_args")}
@@ -114,6 +118,7 @@ class RequestReader:
         check_policies(self.model, sampler, cache, self.compile)
         sampler.check_gen_length(lengths["gen_length"])
         warn_outside_format(self.model, self.tokenizer, [ids])  # in the server's log
+        check_logprobs(logprobs, sampler)
         sampler_key = (sampler.name, json.dumps(sampler.config(), sort_keys=True, default=str))
         sampler = self._prepared(sampler_key, sampler)
         block, gen = lengths["block_length"], lengths["gen_length"]
@@ -125,7 +130,7 @@ class RequestReader:
         if cache.rows_coupled:
             key += (uuid.uuid4().hex,)  # decoded alone, so the answer is the prompt's alone
         return Job(ids, lengths, max_tokens, seed, sampler, cache, stop, stream, chat, key,
-                   steps_per_block=steps_per_block, stop_early=not ignore_eos)
+                   steps_per_block=steps_per_block, stop_early=not ignore_eos, logprobs=logprobs)
 
     def _prepared(self, key: tuple, sampler):
         """One prepared sampler object per configuration (the last 32 used): `prepare` reads the tokenizer once
@@ -165,3 +170,20 @@ class RequestReader:
             return encode_prompts(tok, [messages[0]["content"]], chat=True)[0]  # exactly `dllm generate`'s
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return encode_prompts(tok, [text], chat=False)[0]
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """The alternatives asked per token (None: no logprobs): `/v1/completions`' `logprobs: k`, or chat's
+    `logprobs: true` with `top_logprobs: k` (0 without)."""
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if not chat:
+        if top is not None:
+            raise DllmError("top_logprobs is a chat field; on /v1/completions send logprobs: k (alternatives per "
+                            "token)")
+        return check_logprobs(logprobs, name="logprobs")
+    if logprobs not in (None, True, False):
+        raise DllmError(f"logprobs must be true or false on /v1/chat/completions, got {logprobs!r}; send "
+                        f"top_logprobs: k for alternatives")
+    if top is not None and not logprobs:
+        raise DllmError("top_logprobs needs logprobs: true")
+    return check_logprobs(0 if top is None else top, name="top_logprobs") if logprobs else None

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ..cache import PrefixBlocks
 from ..core.checks import check_int
 from ..core.errors import DllmError
 from ..engine.loop import Batch
@@ -26,26 +27,41 @@ def _stop_start(text: str, stops: list[str]) -> int:
     return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
 
 
+def _shortest_prefix(tokenizer, ids: list[int], holds) -> int:
+    """The fewest of `ids` (1..len) whose text `holds`, a test that stays true for every longer prefix once true
+    (len(ids) if none does)."""
+    low, high = 1, len(ids)
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if holds(answer_text(tokenizer, ids[:mid])) else (mid + 1, high)
+    return low
+
+
 def _tokens_through_stop(tokenizer, ids: list[int], stops: list[str]) -> int:
     """How many of `ids` it takes for the text to contain one of `stops` (as vLLM counts a stopped completion)."""
-    low, high = 1, len(ids)
-    while low < high:  # a stop found in a prefix stays found in every longer one
-        mid = (low + high) // 2
-        text = answer_text(tokenizer, ids[:mid])
-        low, high = (low, mid) if any(s in text for s in stops) else (mid + 1, high)
-    return low
+    return _shortest_prefix(tokenizer, ids, lambda text: any(s in text for s in stops))
+
+
+def _tokens_in_text(tokenizer, ids: list[int], length: int) -> int:
+    """How many of `ids` have their text within its first `length` characters."""
+    if not ids or len(answer_text(tokenizer, ids)) <= length:
+        return len(ids)
+    return _shortest_prefix(tokenizer, ids, lambda text: len(text) > length) - 1
 
 
 class Engine:
     """The decode loop's driver: admits waiting jobs between blocks, runs blocks, sends each job its new text."""
 
     def __init__(self, model, tokenizer, name: str, defaults: dict[str, Any], max_batch: int = 8,
-                 compile: bool = False):
+                 compile: bool = False, prefix_cache_mb: float = 0):
         check_int("max_batch", max_batch, 1)
+        # kept blocks' keys and values, reused by every request that starts with them (block-causal and causal-prefix
+        # models)
+        self.prefix = PrefixBlocks(model, prefix_cache_mb) if prefix_cache_mb else None
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self.max_batch, self.compile = max_batch, compile
         self.requests = RequestReader(model, tokenizer, name, defaults, compile)
-        self.metrics = Metrics()
+        self.metrics = Metrics(self.prefix)
         self.waiting: deque[Job] = deque()
         self.cond = threading.Condition()
         self.batch: Batch | None = None
@@ -131,9 +147,10 @@ class Engine:
                     if batch is None:
                         batch = self.batch = Batch(self.model, job.sampler, job.cache, job.lengths["block_length"],
                                                    job.steps_per_block, stop_early=job.stop_early, compile=self.compile,
-                                                   callback=self._step)
+                                                   callback=self._step, prefix_cache=self.prefix
+                                                   if job.cache.keeps_final_blocks else None)
                         self.key = job.key
-                    row = batch.add(job.ids, job.lengths["gen_length"], job.seed)
+                    row = batch.add(job.ids, job.lengths["gen_length"], job.seed, job.logprobs)
                 except Exception as e:  # checked in `job` already; this request alone gets any error left
                     job.send("error", status=400 if isinstance(e, DllmError) else 500,
                              message=str(e) if isinstance(e, DllmError) else f"{type(e).__name__}: {e}")
@@ -153,8 +170,9 @@ class Engine:
 
     def _block(self) -> None:
         batch, metrics = self.batch, self.metrics
-        nfe, committed = batch.stats.nfe, batch.stats.gen_tokens
+        nfe, committed, rows = batch.stats.nfe, batch.stats.gen_tokens, batch.rows_computed
         batch.run_block()
+        metrics.rows_computed.inc(batch.rows_computed - rows)
         self.forwards += batch.stats.nfe - nfe
         self.committed += batch.stats.gen_tokens - committed
         metrics.forwards.inc(batch.stats.nfe - nfe)
@@ -180,25 +198,34 @@ class Engine:
         done = finished or bool(hits) or job.max_tokens is not None and len(ids) >= job.max_tokens
         if not done:  # text that may begin a stop string waits for the next block
             text = text[:len(text) - _stop_start(text, job.stop)]
+        if hits:  # tokens decoded past the stop string are not the answer's
+            ids = ids[:_tokens_through_stop(self.tokenizer, ids, job.stop)]
         if done or not text.endswith("\ufffd"):  # a character split between blocks waits for its end
             delta, job.text = text[len(job.text):], text
             if delta and job.stream:
-                job.send("delta", text=delta)
+                job.send("delta", text=delta, logprobs=self._logprobs(batch, row, job, ids, done))
         if not done:
             return
         if not finished:
             batch.cancel(row)  # complete at max_tokens or a stop string: the row stops decoding
         job.delivered = True
         reason = "stop" if hits or stop_token and not over else "length"
-        if hits:  # tokens decoded past the stop string are not the answer's
-            ids = ids[:_tokens_through_stop(self.tokenizer, ids, job.stop)]
         usage = {"prompt_tokens": len(job.ids), "completion_tokens": len(ids), "total_tokens": len(job.ids) + len(ids)}
-        job.send("done", text=job.text, finish_reason=reason, usage=usage)
+        job.send("done", text=job.text, finish_reason=reason, usage=usage,
+                 logprobs=self._logprobs(batch, row, job, ids, done))
         metrics = self.metrics
         metrics.tokens.inc(len(ids))
         metrics.prompt_tokens.inc(len(job.ids))
         metrics.latency.observe(now - job.submitted)
         metrics.requests.labels(self._endpoint(job), "ok").inc()
+
+    def _logprobs(self, batch: Batch, row, job: Job, ids: list[int], done: bool) -> list | None:
+        """The log-probabilities of `ids`' tokens not sent yet whose text has been (all of them once `done`)."""
+        if job.logprobs is None:
+            return None
+        sent = len(ids) if done else _tokens_in_text(self.tokenizer, ids, len(job.text))
+        tokens, job.logprobs_sent = batch.logprobs(row)[job.logprobs_sent:sent], max(sent, job.logprobs_sent)
+        return tokens
 
     @staticmethod
     def _endpoint(job: Job) -> str:
