@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +19,8 @@ from torch import nn
 from ..core.checks import choose_from
 from ..core.errors import DllmError
 from . import ARCHITECTURES_BY_NAME, PRESETS, DiffusionLM, ModelConfig, architecture_of
-from .quantize import (FORMAT, check_quantization, check_saved_quantization, flatten_state, open_quantized,
-                       quantize_part, saved_quantization, torchao)
+from .quantize import (FORMAT, check_quantization, check_saved_quantization, flatten_state, quantize_part,
+                       quantized_fill, saved_quantization, torchao)
 from .threads import requested_threads, set_threads
 from .transformer import shard_rows
 
@@ -285,13 +284,11 @@ def load_dir(path: Path, device="cpu", dtype: torch.dtype | None = None, quantiz
         dtype = torch.float32 if torch.device(device).type == "cpu" else _checkpoint_dtype(hf, path)
     model = meta_model(cfg, dtype)
     if saved is not None:
-        with open_quantized(model, path, device) as fill:
-            materialize(model, device, fill)
+        materialize(model, device, quantized_fill(model, path, device))
         model.quantization = {"scheme": saved["scheme"], "head": saved["quantize_head"]}
     else:
         skipped = getattr(arch, "SKIPPED_WEIGHTS", ())
-        with open_checkpoint(model, path, arch.WEIGHT_NAMES, device, skipped) as fill:
-            materialize(model, device, fill, *quantization)
+        materialize(model, device, checkpoint_fill(model, path, arch.WEIGHT_NAMES, device, skipped), *quantization)
     model.generation_defaults = generation_defaults(generation, path, getattr(arch, "GENERATION_KEYS", ()))
     return model.eval(), tokenizer
 
@@ -454,12 +451,11 @@ def _part_of(ours: str) -> str:
     return f"{top}.{rest.partition('.')[0]}" if top == "layers" else top
 
 
-@contextmanager
-def open_checkpoint(model: DiffusionLM, path: Path, table: dict[str, str], device, skipped: tuple[str, ...] = ()):
+def checkpoint_fill(model: DiffusionLM, path: Path, table: dict[str, str], device, skipped: tuple[str, ...] = ()):
     """A `fill` that streams each part's tensors from the safetensors files, checked first, strictly: no missing
     or extra names (but those starting with a `skipped` prefix and not in the table), and every parameter of ours
-    written (the model's memory is uninitialised until then). Files stay open (memory-mapped) while the model is
-    filled."""
+    written (the model's memory is uninitialised until then). A part opens (memory-maps) the files it reads and
+    closes them, so the checkpoint's pages never all count as ours."""
     params = dict(model.named_parameters())
     names = table_names(model, table)
     unfilled = set(params) - {_parameter(ours) for ours in names.values()}
@@ -474,24 +470,21 @@ def open_checkpoint(model: DiffusionLM, path: Path, table: dict[str, str], devic
         detail = (f"missing {len(missing)} tensors (first: {missing[0]})" if missing else "") + \
                  (("; " if missing else "") + f"unexpected {len(unexpected)} (first: {unexpected[0]})" if unexpected else "")
         raise DllmError(f"{path} does not match config.json: {detail}; is this the right checkpoint?")
-    by_part: dict[str, list[str]] = {}
+    by_part: dict[str, dict[Path, list[str]]] = {}
     for name, ours in names.items():
-        by_part.setdefault(_part_of(ours), []).append(name)
-    with ExitStack() as stack:
-        handles: dict[Path, object] = {}
+        by_part.setdefault(_part_of(ours), {}).setdefault(files[name], []).append(name)
 
-        @torch.no_grad()
-        def fill(prefix: str, part: nn.Module) -> None:
-            part_params = dict(part.named_parameters(prefix=prefix))
-            for name in by_part.get(prefix, []):
-                f = files[name]
-                try:
-                    if f not in handles:
-                        handles[f] = stack.enter_context(safe_open(str(f), framework="pt", device=str(device)))
-                    t = handles[f].get_tensor(name)
-                except Exception as e:
-                    raise DllmError(f"{f} is corrupt ({type(e).__name__}: {_first_line(e)}); "
-                                    f"re-download the checkpoint") from None
+    @torch.no_grad()
+    def fill(prefix: str, part: nn.Module) -> None:
+        part_params = dict(part.named_parameters(prefix=prefix))
+        for f, tensor_names in by_part.get(prefix, {}).items():
+            try:
+                with safe_open(str(f), framework="pt", device=str(device)) as handle:
+                    tensors = {name: handle.get_tensor(name) for name in tensor_names}
+            except Exception as e:
+                raise DllmError(f"{f} is corrupt ({type(e).__name__}: {_first_line(e)}); "
+                                f"re-download the checkpoint") from None
+            for name, t in tensors.items():
                 p = _target(model, part_params, names[name])
                 if t.dtype not in FLOAT_WEIGHTS:
                     raise DllmError(f"{f.name}: {name} is {t.dtype}; dllm loads float32, bfloat16 or float16 "
@@ -501,14 +494,14 @@ def open_checkpoint(model: DiffusionLM, path: Path, table: dict[str, str], devic
                                     f"{tuple(p.shape)}; the config and weights do not belong together")
                 p.copy_(t)
 
-        yield fill
+    return fill
 
 
 def load_weights(model: DiffusionLM, path: Path, table: dict[str, str], skipped: tuple[str, ...] = ()) -> None:
     """Stream every tensor from the safetensors files into `model` (which has memory), strictly."""
-    with open_checkpoint(model, path, table, model.device, skipped) as fill:
-        for prefix, part in model_parts(model):
-            fill(prefix, part)
+    fill = checkpoint_fill(model, path, table, model.device, skipped)
+    for prefix, part in model_parts(model):
+        fill(prefix, part)
 
 
 def checkpoint_state(model: DiffusionLM) -> dict[str, torch.Tensor]:

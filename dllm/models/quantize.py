@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -211,16 +210,16 @@ def check_saved_quantization(path: Path, saved: dict, device: torch.device, dtyp
     return stored
 
 
-@contextmanager
-def open_quantized(model: nn.Module, path: Path, device):
+def quantized_fill(model: nn.Module, path: Path, device):
     """A `fill` that reads each part's tensors from a checkpoint `save_pretrained` wrote from a quantized model
-    (torchao's safetensors format under our parameter names), quantized ones rebuilt as torchao tensors."""
+    (torchao's safetensors format under our parameter names), quantized ones rebuilt as torchao tensors; the file
+    is opened per part, as `loading.checkpoint_fill` does."""
     file = path / "model.safetensors"
     if not file.is_file():
         raise DllmError(f"{path} has no model.safetensors; save the quantized model again")
     try:
-        handle = safe_open(str(file), framework="pt", device=str(device))
-        metadata = handle.metadata() or {}
+        with safe_open(str(file), framework="pt") as handle:
+            metadata = handle.metadata() or {}
         stored = set(json.loads(metadata["tensor_names"]))
     except Exception as e:
         first = str(e).strip().partition("\n")[0]
@@ -233,13 +232,13 @@ def open_quantized(model: nn.Module, path: Path, device):
 
     @torch.no_grad()
     def fill(prefix: str, part: nn.Module) -> None:
-        for name, p in list(part.named_parameters(prefix=prefix)):
-            t = unflatten_tensor(name, metadata, handle.get_tensor)
-            if is_quantized(t):
-                owner, _, attr = name.removeprefix(prefix).lstrip(".").rpartition(".")
-                setattr(part.get_submodule(owner), attr, nn.Parameter(t, requires_grad=False))
-            else:
-                p.copy_(t)
+        with safe_open(str(file), framework="pt", device=str(device)) as handle:
+            for name, p in list(part.named_parameters(prefix=prefix)):
+                t = unflatten_tensor(name, metadata, handle.get_tensor)
+                if is_quantized(t):
+                    owner, _, attr = name.removeprefix(prefix).lstrip(".").rpartition(".")
+                    setattr(part.get_submodule(owner), attr, nn.Parameter(t, requires_grad=False))
+                else:
+                    p.copy_(t)
 
-    with handle:
-        yield fill
+    return fill
