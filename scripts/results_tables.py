@@ -143,11 +143,10 @@ def quantized_table(args) -> list[str]:
 def agreement_table(args) -> list[str]:
     """The logits of each weight quantization against float32's on one canvas (`--batch-size` rows of a random
     64-token prompt and a masked answer of `--gen-length`, as `dllm bench` builds it): how often the top-1 token is
-    float32's, and the relative L2 error of a position's logits (median). bfloat16 alone is the yardstick for int4."""
+    float32's, where float32's top-1 token ranks (median, 1 = first), and the relative L2 error of a position's
+    logits (median). bfloat16 alone is the yardstick for int4."""
     canvas = want = None
-    lines = [f"Logits against float32 on {args.model} ({args.batch_size} x (64 prompt + {args.gen_length} masked) "
-             f"positions, one full forward):", "", "| weights | top-1 agreement % | median relative L2 error |",
-             "|---|---|---|"]
+    rows = []
     for name, dtype, quantize in QUANTIZED_POINTS:
         model, _ = dllm.load(args.model, dtype=dtype, quantize=quantize)
         if canvas is None:
@@ -155,10 +154,17 @@ def agreement_table(args) -> list[str]:
             canvas = Canvas.build(model, prompts, args.gen_length).tokens
         logits = model(canvas).float()
         want = logits if want is None else want
-        agree = (logits.argmax(-1) == want.argmax(-1)).float().mean().item()
+        top = want.argmax(-1, keepdim=True)
+        agree = (logits.argmax(-1) == top[..., 0]).float().mean().item()
+        rank = 1 + (logits > logits.gather(-1, top)).sum(-1).float().median().item()
         error = ((logits - want).norm(dim=-1) / want.norm(dim=-1)).median().item()
-        lines.append(f"| {name} | {100 * agree:.1f} | {error:.4f} |")
-    return lines
+        rows.append(f"| {name} | {100 * agree:.1f} | {rank:.0f} | {error:.4f} |")
+    margin = want.topk(2).values.diff(dim=-1).abs().median().item()
+    return [f"Logits against float32 on {args.model} ({args.batch_size} x (64 prompt + {args.gen_length} masked) "
+            f"positions, one full forward; float32's top-1 is {top.unique().numel()} distinct token(s), leading the "
+            f"second by {margin:.3f} (median)):", "",
+            "| weights | top-1 agreement % | rank of float32's top-1 (median) | median relative L2 error |",
+            "|---|---|---|---|", *rows]
 
 
 if __name__ == "__main__":
