@@ -133,7 +133,8 @@ def quantized_table(args) -> list[str]:
             answers = {r["id"]: r["output"] for r in map(json.loads, f)}
         reference = reference or answers
         same = sum(answers[i] == reference[i] for i in reference) / len(reference)
-        fam = " | ".join(f"{100 * s['per_group_accuracy'][f]:.1f}" for f in FAMILIES)
+        groups = s["per_group_accuracy"]  # a --limit may leave a family out
+        fam = " | ".join(f"{100 * groups[f]:.1f}" if f in groups else "-" for f in FAMILIES)
         lines.append(f"| {name} | {100 * s['accuracy']:.1f} | {fam} | {100 * same:.1f} | "
                      f"{weight_bytes(model) / 2**20:.2f} | {s['tokens_per_second']:.0f} |")
     return lines
