@@ -273,3 +273,24 @@ def test_a_tied_head_is_the_embedding_and_stays(tmp_path):
         dllm.load(str(tmp_path), quantize="int8", quantize_head=True)
     loaded, _ = dllm.load(str(tmp_path), quantize="int8")
     assert loaded.lm_head.weight is loaded.embed.weight and not is_quantized(loaded.embed.weight)
+
+
+def test_diffusion_gemma_quantizes_its_layers_and_loads_back_as_it_decodes(tmp_path):
+    """DiffusionGemma (its own layers, Gemma's MoE router, a self-conditioning MLP beside the layers): random weights
+    drawn part by part are `init_random`'s; int8 quantizes the layers' linears and expert stacks, not the routers,
+    the embedding, the norms or the self-conditioning MLP; saved and loaded back, it decodes its family's way
+    (entropy_bound) to the same tokens."""
+    name = "random:diffusion-gemma-tiny"
+    whole = loading.build_model(PRESETS[name.removeprefix("random:")], "cpu", torch.float32)
+    loading.init_random(whole, 0)
+    drawn = dllm.load(name)[0].state_dict()
+    assert all(torch.equal(t, drawn[key]) for key, t in whole.state_dict().items())
+    model, tok = dllm.load(name, quantize="int8")
+    assert _quantized_names(model) == {n for n, p in model.named_parameters() if n.startswith("layers.")
+                                       and p.dim() >= 2 and "router" not in n}
+    assert not any(n.startswith("self_conditioning") for n in _quantized_names(model))
+    dllm.save_pretrained(model, tok, tmp_path)
+    loaded, loaded_tok = dllm.load(str(tmp_path))
+    assert loaded.quantization == {"scheme": "int8", "head": False}
+    assert dllm.generate(loaded, loaded_tok, ["abc"], gen_length=32).token_ids == \
+        dllm.generate(model, tok, ["abc"], gen_length=32).token_ids
