@@ -46,13 +46,29 @@ def _add_decoding_flags(p: argparse.ArgumentParser) -> None:
                    help="total steps (default: gen-length; DiffusionGemma: max_denoising_steps, 48, per canvas)")
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads (default: DLLM_THREADS, else OMP_NUM_THREADS, else 1 for a model under 10M "
-                        "parameters and the physical cores for a larger one)")
     p.add_argument("--compile", action="store_true",
                    help="run the model under torch.compile (caches none, prefix, dual, block; compiling takes a while)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap prompts in the chat template (default: when the tokenizer has one)")
+    _add_load_flags(p)
+
+
+def _add_load_flags(p: argparse.ArgumentParser) -> None:
+    """The flags `_load` reads besides --model, --device and --dtype."""
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (default: DLLM_THREADS, else OMP_NUM_THREADS, else 1 for a model under 10M "
+                        "parameters and the physical cores for a larger one)")
+    p.add_argument("--quantize", default=None, metavar="{int8,int8-dynamic,int4,fp8}",
+                   help="quantize the layers' weights while loading (torchao: pip install '.[quant]')")
+    p.add_argument("--quantize-head", action="store_true", help="quantize the LM head too")
+
+
+def _load(args, device: str | None = None):
+    """`dllm.load` with the model flags (`device`: this process's GPU, else --device)."""
+    import dllm
+
+    return dllm.load(args.model, device=device or args.device, dtype=args.dtype, threads=args.threads,
+                     quantize=args.quantize, quantize_head=args.quantize_head)
 
 
 def _add_prefix_cache_flag(p: argparse.ArgumentParser) -> None:
@@ -137,7 +153,7 @@ def _generate(args) -> int:
     if args.trace is not None:
         _check_writable_file(args.trace, "--trace")
     _policies(args)  # bad flags fail before the model loads
-    model, tok = dllm.load(args.model, device=args.device, dtype=args.dtype, threads=args.threads)
+    model, tok = _load(args)
     sampler, cache = _policies(args, model)
     lengths = decoding_lengths(model, args.gen_length, args.block_length, args.steps)
     with _progress(args, len(prompts) * lengths["gen_length"], "generate") as bar:
@@ -169,7 +185,7 @@ def _chat(args) -> int:
         raise DllmError("dllm chat always uses the chat template; drop --no-chat (dllm generate --no-chat sends raw "
                         "text)")
     _policies(args)  # bad flags fail before the model loads
-    model, tok = dllm.load(args.model, device=args.device, dtype=args.dtype, threads=args.threads)
+    model, tok = _load(args)
     sampler, cache = _policies(args, model)
     if getattr(tok, "chat_template", None) is None:
         raise DllmError(f"{args.model} has no chat template; use `dllm generate --no-chat`")
@@ -220,7 +236,6 @@ def _eval(args) -> int:
 def _run_eval(args) -> int:
     from accelerate import PartialState
 
-    import dllm
     from dllm.eval.harness import evaluate
     from dllm.eval.sweep import run_sweep, table
     from dllm.eval.tasks import get_task
@@ -240,7 +255,7 @@ def _run_eval(args) -> int:
         cache_args = _key_values(args.cache_arg, "--cache-arg")
         _policies(args)  # bad flags fail before the model loads
         device = f"cuda:{state.local_process_index}" if args.device == "cuda" else args.device  # one GPU each
-        model, tok = dllm.load(args.model, device=device, dtype=args.dtype, threads=args.threads)
+        model, tok = _load(args, device)
         sampler, cache = _policies(args, model)
         decode_args = dict(**decoding_lengths(model, args.gen_length, args.block_length, args.steps),
                            seed=args.seed, chat=args.chat, model_name=args.model, compile=args.compile,
@@ -274,8 +289,6 @@ def _run_eval(args) -> int:
 
 
 def _bench(args) -> int:
-    import dllm
-
     from .engine.bench import bench, format_result
 
     try:
@@ -289,7 +302,7 @@ def _bench(args) -> int:
             raise DllmError(f"{flag} must be at least 1, got {value}")
     check_seed(args.seed)
     _policies(args)  # bad flags fail before the model loads
-    model, tok = dllm.load(args.model, device=args.device, dtype=args.dtype, threads=args.threads)
+    model, tok = _load(args)
     sampler, cache = _policies(args, model)
     sampler.prepare(tok)  # e.g. AdaBlock's delimiter ids
     cache = caches.CACHES.create(default_cache(model)) if cache is None else cache
@@ -308,8 +321,6 @@ def _bench(args) -> int:
 
 def _serve_setup(args):
     """Model, tokenizer and the server's decoding defaults (validated before anything listens)."""
-    import dllm
-
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401
@@ -320,7 +331,7 @@ def _serve_setup(args):
     if args.max_batch < 1:
         raise DllmError(f"--max-batch must be at least 1, got {args.max_batch}")
     _policies(args)
-    model, tok = dllm.load(args.model, device=args.device, dtype=args.dtype, threads=args.threads)
+    model, tok = _load(args)
     decoding_lengths(model, args.gen_length, args.block_length, args.steps)
     sampler_args = _key_values(args.sampler_arg, "--sampler-arg")
     if args.temperature is not None:
@@ -383,6 +394,23 @@ def _bench_serve(args) -> int:
     if args.plot and not plot_bench(result, args.plot):
         print("note: plot not drawn: matplotlib is missing; pip install 'dllm-fast[plot]'", file=sys.stderr)
     print(json.dumps(result) if args.json else format_bench(result), end="\n" if args.json else "")
+    return 0
+
+
+def _quantize(args) -> int:
+    """Quantize a model once and save it; `--model DIR` then loads it quantized, as saved."""
+    import dllm
+    from dllm.models.quantize import check_savable, weight_bytes
+
+    if args.quantize is None:
+        raise DllmError("dllm quantize needs --quantize int8, int8-dynamic, int4 or fp8")
+    if Path(args.output).is_file() or (Path(args.output).is_dir() and any(Path(args.output).iterdir())):
+        raise DllmError(f"--output {args.output} exists and is not an empty directory; choose a new one")
+    check_savable(args.quantize, args.device)
+    model, tok = _load(args)
+    dllm.save_pretrained(model, tok, args.output)
+    print(f"{args.output}: {args.model} with {args.quantize} weights, {weight_bytes(model) / 2**20:.1f} MB "
+          f"(load it with --model {args.output})")
     return 0
 
 
@@ -474,6 +502,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="give every request one shared system message of about this many tokens")
     bs.add_argument("--json", action="store_true")
     bs.set_defaults(run=_bench_serve)
+    q = sub.add_parser("quantize", help="quantize a model's weights once and save them (safetensors)")
+    q.add_argument("--model", default=DEFAULT_MODEL, help="shipped name, random:<preset> or a local directory")
+    q.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (int4 and fp8 checkpoints: cuda)")
+    q.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (what it will load in)")
+    _add_load_flags(q)
+    q.add_argument("--output", required=True, help="a new directory for the quantized checkpoint")
+    q.set_defaults(run=_quantize)
     ls = sub.add_parser("list", help="samplers, caches or models, with parameters and defaults")
     ls.add_argument("what", choices=("samplers", "caches", "models"))
     ls.add_argument("--json", action="store_true")

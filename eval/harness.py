@@ -31,7 +31,7 @@ from dllm.engine.text import encode_prompts
 
 from .tasks import Item, get_task
 
-VERSIONED_PACKAGES = ("dllm-fast", "torch", "transformers", "tokenizers", "accelerate")
+VERSIONED_PACKAGES = ("dllm-fast", "torch", "transformers", "tokenizers", "accelerate", "torchao")
 
 
 def evaluate(model, tokenizer, task: str, sampler: str | Any = "low_confidence", cache: str | Any = None,
@@ -69,7 +69,7 @@ def evaluate(model, tokenizer, task: str, sampler: str | Any = "low_confidence",
         _check_context(model, tokenizer, items, chat, gen_length, shots)
         config.update(model=model_name, sampler=sampler.config(), cache=cache.config(), gen_length=gen_length,
                       block_length=block_length, steps=steps, seed=seed, chat=chat, dtype=str(model.dtype),
-                      compile=compile)
+                      compile=compile, quantization=model.quantization)
 
     state = PartialState(cpu=model is None or model.device.type != "cuda")
     rank, world = state.process_index, state.num_processes

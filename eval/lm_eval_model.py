@@ -75,7 +75,8 @@ class DllmLM(LM):
                  gen_length: int | None = None, block_length: int | None = None, steps: int | None = None,
                  seed: int = 0, device: str | None = None, dtype: str | None = None, batch_size: int | str = 1,
                  max_batch_size: int | None = None, mc_num: int = 128, mc_batch_size: int = 32, cfg: float = 0.0,
-                 greedy_check: bool = True, threads: int | str | None = None,
+                 greedy_check: bool = True, threads: int | str | None = None, quantize: str | None = None,
+                 quantize_head: bool = False,
                  **params) -> None:  # lm-eval passes max_batch_size
         super().__init__()
         from accelerate import PartialState
@@ -96,7 +97,8 @@ class DllmLM(LM):
         if device == "cuda" and self._world_size > 1:
             device = f"cuda:{state.local_process_index}"
         self.model, self.tokenizer = dllm.load(model, device=device, dtype=dtype,
-                                               threads=None if threads is None else _number("threads", threads, int))
+                                               threads=None if threads is None else _number("threads", threads, int),
+                                               quantize=quantize, quantize_head=_flag("quantize_head", quantize_head))
         # the sampler again, with the model family's defaults (`family_sampler_args`)
         self.sampler = split_params(sampler, "none" if cache is None else cache, params, model=self.model)[0]
         self._device = self.model.device

@@ -7,6 +7,10 @@
 # Then the block-diffusion models with their exact block cache, batch 1 and 8, eager and compiled: random:sdar-8b
 # (block 4; SDAR_MODEL= empty skips it) and the MoE random:llada2-mini (block 32; LLADA2_MODEL= empty skips it),
 # whose floor counts only the experts its forwards read (`dllm bench` measures the fraction).
+# Then llada-8b with quantized weights (QUANT, default int8 int4 fp8; QUANT= empty skips them; torchao:
+# pip install '.[quant]'), dual cache, batch 1 and 8, each against the weight-read floor of its own bytes as
+# `dllm bench` counts them (quantized layers, their scales, the bf16 embedding and head); the matmul floor of int8
+# and fp8 GEMMs (fp8: dynamic activations) at twice the bf16 peak, weight-only int8 and int4 at the bf16 peak.
 #
 #   scripts/gpu_bench.sh                         # writes runs/gpu-bench/*.jsonl and prints the Markdown table
 #   MODEL=random:llada-tiny SDAR_MODEL=random:sdar-tiny LLADA2_MODEL=random:llada2-tiny DEVICE=cpu DTYPE=float32 \
@@ -20,6 +24,7 @@ OUT=${OUT:-runs/gpu-bench}
 MODES=${MODES:-eager compile}
 SDAR_MODEL=${SDAR_MODEL-random:sdar-8b}
 LLADA2_MODEL=${LLADA2_MODEL-random:llada2-mini}
+QUANT=${QUANT-int8 int4 fp8}
 mkdir -p "$OUT"
 for mode in $MODES; do  # one process per model, cache and mode: one load and one compilation for both batches;
   # per batch size a warm-up run, one timed run and one run that times each forward (dllm bench)
@@ -29,6 +34,11 @@ for mode in $MODES; do  # one process per model, cache and mode: one load and on
     for cache in none dual; do
       dllm bench --model "$MODEL" --device "$DEVICE" --dtype "$DTYPE" --sampler low_confidence --cache "$cache" \
         --gen-length "$GEN" --block-length 32 --batch-size 1,8 --repeats 1 $flag --json > "$OUT/llada-$mode-$cache.jsonl"
+    done
+    for scheme in $QUANT; do
+      dllm bench --model "$MODEL" --device "$DEVICE" --dtype "$DTYPE" --quantize "$scheme" --sampler low_confidence \
+        --cache dual --gen-length "$GEN" --block-length 32 --batch-size 1,8 --repeats 1 $flag --json \
+        > "$OUT/llada-$mode-dual-$scheme.jsonl"
     done
   fi
   if [ -n "$SDAR_MODEL" ]; then  # the block-diffusion models (MoE layers compile in bf16)
@@ -47,6 +57,7 @@ from pathlib import Path
 
 BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12}  # bytes/s of HBM (SXM parts)
 PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 FLOP/s (SXM parts)
+GEMM_SPEEDUP = {"int8-dynamic": 2, "fp8": 2}  # int8 / fp8 tensor cores: twice the bf16 rate (A100: no fp8)
 rows = []
 results = [json.loads(line) for path in sorted(Path(sys.argv[1]).glob("*.jsonl"))
            for line in path.read_text().splitlines()]
@@ -55,24 +66,27 @@ for r in results:
     kind = "cached" if "cached" in ms else "full"
     card = next((name for name in BANDWIDTH if name in r["device"]), None)
     weights, flops = "-", "-"
+    scheme = (model["quantization"] or {}).get("scheme")
     if card:
-        read = model.get("parameters_read", model["parameters"])  # MoE: the experts actually read
-        weights = 1000 * read * (2 if model["dtype"] in ("bfloat16", "float16") else 4) / BANDWIDTH[card]
+        read = model.get("parameters_read", model["parameters"]) / model["parameters"]  # MoE: the experts read
+        weights = 1000 * model["weight_bytes"] * read / BANDWIDTH[card]  # as stored: quantized bytes and scales
         if "experts_read" not in model:  # a dense model's matmuls: 2 FLOPs per parameter per row
             per_row = config["block_length"] if kind == "cached" else config["prompt_length"] + config["gen_length"]
-            flops = 1000 * 2 * model["parameters"] * per_row * config["batch_size"] / PEAK[card]
+            peak = PEAK[card] * GEMM_SPEEDUP.get(scheme, 1)
+            flops = 1000 * 2 * model["parameters"] * per_row * config["batch_size"] / peak
     floor = max(x for x in (weights, flops) if x != "-") if card else None
     cell = lambda x: f"{x:.2f}" if isinstance(x, float) else "-"
-    rows.append(f"| {model['arch']} | {config['cache']['name']} | {'compile' if config.get('compile') else 'eager'} | "
+    rows.append(f"| {model['arch']} | {scheme or model['dtype']} | {config['cache']['name']} | "
+                f"{'compile' if config.get('compile') else 'eager'} | "
                 f"{config['batch_size']} | {cell(ms.get('full'))} | {cell(ms.get('cached'))} | {cell(weights)} | "
                 f"{cell(flops)} | " + (f"{ms[kind] / floor:.2f}x" if floor else "-")
-                + f" | {r['ms_per_step']:.2f} | {r['tokens_per_second']:.0f} | {r['peak_mb']:.0f} "
+                + f" | {r['ms_per_step']:.2f} | {r['tokens_per_second']:.0f} | {r['weight_mb']:.1f} | {r['peak_mb']:.0f} "
                 f"| {r['warm_up_seconds']:.1f} |")
 print(f"{r['model']['dtype']} on {r['device']}, gen {r['config']['gen_length']}, prompt {r['config']['prompt_length']}, "
       "block 32 (sdar: 4, llada2: the preset's block)\n")
-print("| model | cache | mode | batch | ms per full forward | ms per cached forward | weight-read floor ms "
-      "| matmul floor ms | cached (or full) / the larger floor | ms per step | tokens/s | peak MB "
+print("| model | weights | cache | mode | batch | ms per full forward | ms per cached forward | weight-read floor ms "
+      "| matmul floor ms | cached (or full) / the larger floor | ms per step | tokens/s | weight MB | peak MB "
       "| first run s (compiled: compiles) |")
-print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 print("\n".join(rows))
 EOF

@@ -113,20 +113,43 @@ def test_progress_bar_only_on_a_terminal_without_json(tty, json_flag, bar, capsy
 
 def test_the_gpu_script_writes_its_whole_table_on_the_tiny_presets(tmp_path):
     """scripts/gpu_bench.sh, as the next lent GPU will run it, on the CPU with the tiny presets (eager): a row per
-    model, cache and batch size, each with its timings; the floors need a known card, so a CPU's are '-'."""
+    model, weights, cache and batch size, each with its timings; the floors need a known card, so a CPU's are '-'."""
     script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_bench.sh"
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "MODEL": "random:llada-tiny", "SDAR_MODEL": "random:sdar-tiny", "LLADA2_MODEL": "random:llada2-tiny",
-           "DEVICE": "cpu", "DTYPE": "float32", "GEN": "32", "MODES": "eager", "OUT": str(tmp_path)}
+           "DEVICE": "cpu", "DTYPE": "float32", "GEN": "32", "MODES": "eager", "QUANT": "int8", "OUT": str(tmp_path)}
     out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, check=True).stdout
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and "---" not in line]
     header, rows = [cell.strip() for cell in rows[0]], [[cell.strip() for cell in row] for row in rows[1:]]
-    assert [(r[0], r[1], r[2], r[3]) for r in rows] == [
-        ("llada", "dual", "eager", "1"), ("llada", "dual", "eager", "8"), ("llada", "none", "eager", "1"),
-        ("llada", "none", "eager", "8"), ("llada2", "block", "eager", "1"), ("llada2", "block", "eager", "8"),
-        ("sdar", "block", "eager", "1"), ("sdar", "block", "eager", "8")]
+    assert [tuple(r[:5]) for r in rows] == [
+        ("llada", "int8", "dual", "eager", "1"), ("llada", "int8", "dual", "eager", "8"),
+        ("llada", "float32", "dual", "eager", "1"), ("llada", "float32", "dual", "eager", "8"),
+        ("llada", "float32", "none", "eager", "1"), ("llada", "float32", "none", "eager", "8"),
+        ("llada2", "float32", "block", "eager", "1"), ("llada2", "float32", "block", "eager", "8"),
+        ("sdar", "float32", "block", "eager", "1"), ("sdar", "float32", "block", "eager", "8")]
+    weight = header.index("weight MB")
+    assert float(rows[0][weight]) < float(rows[2][weight]) / 2  # int8 layers
     for row in rows:
-        forward = "ms per full forward" if row[1] == "none" else "ms per cached forward"
+        forward = "ms per full forward" if row[2] == "none" else "ms per cached forward"
         assert all(float(row[header.index(name)]) > 0 for name in (forward, "ms per step", "tokens/s")), row
         assert float(row[header.index("first run s (compiled: compiles)")]) >= 0
         assert row[header.index("weight-read floor ms")] == "-"
+
+
+def test_the_gpu_scripts_floors_read_the_bytes_stored(tmp_path):
+    """The weight-read floor of a quantized row is its own bytes (`weight_bytes`) at the card's bandwidth, and int8
+    and fp8 GEMMs have a matmul floor at twice the bf16 peak: a made-up H100 line through the script's table."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_bench.sh"
+    config = {"cache": {"name": "dual"}, "batch_size": 8, "block_length": 32, "prompt_length": 64, "gen_length": 128}
+    line = {"model": {"arch": "llada", "parameters": 8e9, "dtype": "bfloat16", "weight_bytes": 3.35e9,
+                      "quantization": {"scheme": "fp8", "head": False}}, "config": config,
+            "ms_per_forward": {"full": 9.0, "cached": 2.0}, "device": "NVIDIA H100 80GB HBM3", "ms_per_step": 2.5,
+            "tokens_per_second": 100.0, "weight_mb": 3.35e9 / 2**20, "peak_mb": 4000.0, "warm_up_seconds": 1.0}
+    (tmp_path / "x.jsonl").write_text(json.dumps(line) + "\n")
+    env = {**os.environ, "MODEL": "", "SDAR_MODEL": "", "LLADA2_MODEL": "", "OUT": str(tmp_path)}
+    out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, check=True).stdout
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.splitlines() if line.startswith("| ")]
+    row = dict(zip(rows[0], rows[1]))
+    assert row["weights"] == "fp8" and row["weight-read floor ms"] == "1.00"  # 3.35 GB at 3.35 TB/s
+    assert row["matmul floor ms"] == f"{1000 * 2 * 8e9 * 32 * 8 / (2 * 989e12):.2f}"
+    assert row["cached (or full) / the larger floor"] == f"{2.0 / (1000 * 2 * 8e9 * 32 * 8 / (2 * 989e12)):.2f}x"

@@ -15,3 +15,13 @@ def test_tables_of_a_block_causal_model_say_what_it_refuses(tmp_path):
     rows = {line.split(" | ")[0].removeprefix("| "): line for line in table if line.startswith("| ")}
     assert "refused: cache 'dkv' chooses rows for full attention" in rows["dkv"]
     assert rows["block"].split(" | ")[1].replace(".", "").isdigit()  # an accuracy: the block cache ran
+
+
+def test_the_quantized_table_compares_each_scheme_with_float32(tmp_path):
+    args = Namespace(model="tiny-llada", output=str(tmp_path), gen_length=32, block_length=None, batch_size=4, limit=4,
+                     only="quantized")
+    rows = [line.split(" | ") for line in results_tables.tables(args).splitlines() if line.startswith("| ")][1:]
+    assert [row[0].removeprefix("| ") for row in rows] == ["float32", "int8", "int8-dynamic", "bfloat16", "int4"]
+    assert rows[0][-3] == "100.0"  # float32's answers equal themselves
+    weight_mb = [float(row[-2]) for row in rows]
+    assert weight_mb[4] < weight_mb[1] < weight_mb[3] < weight_mb[0]  # int4 < int8 < bfloat16 < float32

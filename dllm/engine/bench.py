@@ -11,6 +11,7 @@ import statistics
 
 import torch
 
+from ..models.quantize import weight_bytes
 from .loop import decode
 
 
@@ -66,7 +67,8 @@ def bench(model, sampler, cache, gen_length: int, block_length: int, steps: int 
     length = canvas.tokens.shape[1]  # a block-causal model's canvas aligns the answer to its blocks
     rows = sum(stats.rows_per_layer) / len(stats.rows_per_layer)
     cfg = model.config
-    described = {"arch": cfg.arch, "parameters": cfg.num_parameters(), "dtype": str(model.dtype).removeprefix("torch.")}
+    described = {"arch": cfg.arch, "parameters": cfg.num_parameters(), "dtype": str(model.dtype).removeprefix("torch."),
+                 "quantization": model.quantization, "weight_bytes": weight_bytes(model)}  # as stored, scales included
     if cfg.moe is not None:  # the weights one forward reads: all but the routed experts its tokens did not choose
         routed = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers)) * cfg.moe.routed_parameters(cfg.hidden_size)
         described["experts_read"] = expert_fraction(model, prompts, sampler, cache, block_length, steps, seed)
@@ -88,6 +90,7 @@ def bench(model, sampler, cache, gen_length: int, block_length: int, steps: int 
         "rows_per_token": rows / stats.gen_tokens,  # canvas rows computed per layer per generated token
         "rows_vs_no_cache": rows / (stats.nfe * batch_size * length),  # ... relative to recomputing every row
         "cache_mb": stats.cache_bytes / 2**20,
+        "weight_mb": described["weight_bytes"] / 2**20,
         "peak_mb": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda"
         else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # CPU: the process's peak RSS
         "device": torch.cuda.get_device_name(device) if device.type == "cuda"
@@ -99,7 +102,9 @@ def format_result(r: dict) -> str:
     per_kind = ", ".join(f"{k} {v:.2f} ms x{r['forwards_by_kind'][k]}" for k, v in r["ms_per_forward"].items())
     c = r["config"]
     moe = f" (MoE: {r['model']['experts_read']:.0%} of experts read per forward)" if "experts_read" in r["model"] else ""
-    return (f"{r['model']['arch']} {r['model']['parameters'] / 1e6:.3g}M{moe} {r['model']['dtype']} | "
+    quantized = r["model"]["quantization"]
+    quantized = f" {quantized['scheme']}{' (head too)' if quantized['head'] else ''}" if quantized else ""
+    return (f"{r['model']['arch']} {r['model']['parameters'] / 1e6:.3g}M{moe} {r['model']['dtype']}{quantized} | "
             f"{c['sampler']['name']} + {c['cache']['name']} | gen {c['gen_length']} block {c['block_length']} "
             f"batch {c['batch_size']} prompt {c['prompt_length']} | {r['device']}\n"
             f"  {r['seconds']:.3f} s, {r['nfe']} forwards, {r['tpf']:.2f} tokens/forward, "
@@ -107,4 +112,4 @@ def format_result(r: dict) -> str:
             f"{' (compiles)' if c['compile'] else ''}\n"
             f"  per step {r['ms_per_step']:.2f} ms; per forward: {per_kind}\n"
             f"  rows per layer per token {r['rows_per_token']:.1f} ({r['rows_vs_no_cache']:.3f} of no cache), "
-            f"cache {r['cache_mb']:.1f} MB, peak {r['peak_mb']:.0f} MB\n")
+            f"weights {r['weight_mb']:.1f} MB, cache {r['cache_mb']:.1f} MB, peak {r['peak_mb']:.0f} MB\n")

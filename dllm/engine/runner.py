@@ -135,6 +135,9 @@ class Runner:
 # without this a second model with another eps would pass it as a float. The patch is one object that sets torch's
 # process-wide config, so one thread at a time holds it.
 _CONSTANT_FLOATS = torch._dynamo.config.patch(specialize_float=True)
+# torchao's quantized weights are tensor subclasses, which torch 2.13 cannot pass into a nested compile region ("no
+# rule registered for HOP invoke_subgraph"): a quantized model's layers are traced inline, each one (slower to compile).
+_CONSTANT_FLOATS_INLINE = torch._dynamo.config.patch(specialize_float=True, inline_invoke_subgraph=True)
 
 _CONSTANT_FLOATS_LOCK = threading.Lock()
 
@@ -148,9 +151,10 @@ def compiled_run(model: DiffusionLM):
     if run is None:
         mode = "reduce-overhead" if model.device.type == "cuda" else None
         compiled = torch.compile(model.run, fullgraph=True, mode=mode)
+        config = _CONSTANT_FLOATS_INLINE if model.quantization else _CONSTANT_FLOATS
 
         def run(*args, **kwargs):
-            with _CONSTANT_FLOATS_LOCK, _CONSTANT_FLOATS:
+            with _CONSTANT_FLOATS_LOCK, config:
                 return compiled(*args, **kwargs)
         model._compiled_run = run
     return run

@@ -14,10 +14,13 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 
 from ..core.checks import choose_from
 from ..core.errors import DllmError
 from . import ARCHITECTURES_BY_NAME, PRESETS, DiffusionLM, ModelConfig, architecture_of
+from .quantize import (FORMAT, check_quantization, check_saved_quantization, flatten_state, quantize_part,
+                       quantized_fill, saved_quantization, torchao)
 from .threads import requested_threads, set_threads
 from .transformer import shard_rows
 
@@ -52,28 +55,39 @@ def describe_models() -> list[dict[str, str]]:
 
 
 def load(name_or_path: str, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
-         seed: int = 0, threads: int | None = None):
+         seed: int = 0, threads: int | None = None, quantize: str | None = None, quantize_head: bool = False):
     """Return `(model, tokenizer)` for a shipped name (`tiny-llada`), `random:<preset>`, or a local directory.
 
-    dtype defaults to the checkpoint's own float type on GPU and float32 on CPU. `threads` sets torch's CPU
-    thread count for the process (default: DLLM_THREADS, else OMP_NUM_THREADS, else one thread for a model under
-    10M parameters and the physical cores for a larger one; `model.threads` says which)."""
+    dtype defaults to the checkpoint's own float type on GPU and float32 on CPU (bfloat16 for int4 and fp8).
+    `threads` sets torch's CPU thread count for the process (default: DLLM_THREADS, else OMP_NUM_THREADS, else
+    one thread for a model under 10M parameters and the physical cores for a larger one; `model.threads` says
+    which). quantize: a scheme of `dllm.models.quantize.SCHEMES` (int8, int8-dynamic, int4, fp8), applied to each
+    layer as it loads; quantize_head quantizes the LM head too. A directory `save_pretrained` wrote from a
+    quantized model loads quantized as it was saved."""
     if not isinstance(name_or_path, (str, Path)) or not str(name_or_path):
         raise DllmError(f"model must be a name or a directory, got {name_or_path!r}; e.g. load(\"tiny-llada\")")
     requested = requested_threads(threads)
-    model, tokenizer = _load(str(name_or_path), parse_device(device),
-                             parse_dtype(dtype) if dtype is not None else None, seed)
+    device = parse_device(device)
+    dtype = parse_dtype(dtype) if dtype is not None else None
+    if not isinstance(quantize_head, bool):
+        raise DllmError(f"quantize_head must be true or false, got {quantize_head!r}")
+    if quantize is not None:
+        dtype = check_quantization(quantize, device, dtype)
+    elif quantize_head:
+        raise DllmError("quantize_head quantizes the head with the rest: add quantize=SCHEME (--quantize int8)")
+    model, tokenizer = _load(str(name_or_path), device, dtype, seed, (quantize, quantize_head))
     model.threads = set_threads(model, requested)
     return model, tokenizer
 
 
-def _load(name_or_path: str, device: torch.device, dtype: torch.dtype | None, seed: int):
+def _load(name_or_path: str, device: torch.device, dtype: torch.dtype | None, seed: int,
+          quantization: tuple[str | None, bool]):
     if name_or_path.startswith("random:"):
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
             raise DllmError(f"seed (of the random weights) must be an integer in 0..2^63-1, got {seed!r}")
-        return _load_random(name_or_path.removeprefix("random:"), device, dtype or torch.float32, seed)
+        return _load_random(name_or_path.removeprefix("random:"), device, dtype or torch.float32, seed, quantization)
     if name_or_path in shipped_models():  # a bare name; anything with a slash is a path, even `./tiny-llada`
-        return load_dir(SHIPPED_DIR / name_or_path, device, dtype)
+        return load_dir(SHIPPED_DIR / name_or_path, device, dtype, quantization)
     path = Path(name_or_path).expanduser()
     if path.is_file():
         raise DllmError(f"{name_or_path} is a file; give the checkpoint directory that holds it ({path.parent})")
@@ -83,7 +97,7 @@ def _load(name_or_path: str, device: torch.device, dtype: torch.dtype | None, se
     if not path.is_dir():
         raise DllmError(f"unknown model {name_or_path!r}; {choose_from(name_or_path, available_models())} "
                         f"(or give a local checkpoint directory)")
-    return load_dir(path, device, dtype)
+    return load_dir(path, device, dtype, quantization)
 
 
 def parse_device(device) -> torch.device:
@@ -119,43 +133,95 @@ def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
     raise DllmError(f"unsupported dtype {dtype!r}; use one of float32, bfloat16, float16")
 
 
-def _load_random(preset: str, device, dtype: torch.dtype, seed: int):
+def _load_random(preset: str, device, dtype: torch.dtype, seed: int, quantization=(None, False)):
     if preset not in PRESETS:
         raise DllmError(f"unknown random model 'random:{preset}'; {choose_from(preset, list(PRESETS), 'random:')}")
     from .tokenizer import build_char_tokenizer
 
     cfg = PRESETS[preset]
-    model = build_model(cfg, device, dtype)
-    init_random(model, seed)
+    _check_head(cfg, *quantization)
+    model = materialize(meta_model(cfg, dtype), device, random_fill(device, seed), *quantization)
     return model.eval(), build_char_tokenizer(ARCHITECTURES_BY_NAME[cfg.arch].TOKENIZER_STYLE)
 
 
-def build_model(cfg: ModelConfig, device, dtype: torch.dtype) -> DiffusionLM:
-    """A model (its architecture's `MODEL_CLASS`, else `DiffusionLM`) on `device` in `dtype` with uninitialised
-    weights: built on the meta device and given memory once (no random init of weights that a checkpoint or
-    `init_random` overwrites)."""
+def meta_model(cfg: ModelConfig, dtype: torch.dtype) -> DiffusionLM:
+    """A model (its architecture's `MODEL_CLASS`, else `DiffusionLM`) in `dtype` on the meta device: shapes only,
+    no memory."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = getattr(ARCHITECTURES_BY_NAME[cfg.arch], "MODEL_CLASS", DiffusionLM)(cfg)
+            return getattr(ARCHITECTURES_BY_NAME[cfg.arch], "MODEL_CLASS", DiffusionLM)(cfg)
     finally:
         torch.set_default_dtype(previous)
-    model.to_empty(device=device)
+
+
+def model_parts(model: DiffusionLM) -> list[tuple[str, nn.Module]]:
+    """The model's parts in parameter order, each with the prefix of its parameter names: each child module (the
+    embedding, the final norm, ...) and each layer on its own; the head not when it is tied (it is the
+    embedding)."""
+    parts = []
+    for name, child in model.named_children():
+        if name == "layers":
+            parts += [(f"layers.{i}", layer) for i, layer in enumerate(child)]
+        elif not (name == "lm_head" and model.config.tied_head):
+            parts.append((name, child))
+    return parts
+
+
+def materialize(model: DiffusionLM, device, fill=None, quantize: str | None = None,
+                quantize_head: bool = False) -> DiffusionLM:
+    """Give a meta model memory on `device` one part at a time (`model_parts`): `fill(prefix, part)` writes the
+    part's weights (a checkpoint's or random ones; None leaves them uninitialised), then with `quantize` its linear
+    layers are quantized before the next part exists, so the full-precision model is never in memory at once."""
+    for prefix, part in model_parts(model):
+        part.to_empty(device=device)
+        if fill is not None:
+            fill(prefix, part)
+        if quantize and (prefix.startswith("layers.") or (prefix == "lm_head" and quantize_head)):
+            quantize_part(part, quantize)
+    for name, buffer in model.named_buffers(recurse=False):  # computed by init_buffers on their device
+        setattr(model, name, torch.empty_like(buffer, device=device))
     model.init_buffers()
+    if quantize:
+        model.quantization = {"scheme": quantize, "head": quantize_head}
     return model
 
 
-@torch.no_grad()
+def build_model(cfg: ModelConfig, device, dtype: torch.dtype) -> DiffusionLM:
+    """A model on `device` in `dtype` with uninitialised weights (no random init of weights that a checkpoint or
+    `init_random` overwrites)."""
+    return materialize(meta_model(cfg, dtype), device)
+
+
+def random_fill(device, seed: int, std: float = 0.02):
+    """A `fill` of random weights: N(0, std), norms 1, biases 0, drawn in parameter order from one generator (so
+    a model filled part by part gets the weights `init_random` gives it whole)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    @torch.no_grad()
+    def fill(prefix: str, part: nn.Module) -> None:
+        for name, p in part.named_parameters(prefix=prefix):
+            if name.endswith(("norm.weight", "scale")):  # norms, and DiffusionGemma's router and layer scales
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, std, generator=gen)
+
+    return fill
+
+
 def init_random(model: DiffusionLM, seed: int, std: float = 0.02) -> None:
-    gen = torch.Generator(device=model.device).manual_seed(seed)
-    for name, p in model.named_parameters():
-        if name.endswith(("norm.weight", "scale")):  # norms, and DiffusionGemma's router and layer scales
-            p.fill_(1.0)
-        elif name.endswith("bias"):
-            p.zero_()
-        else:
-            p.normal_(0.0, std, generator=gen)
+    fill = random_fill(model.device, seed, std)
+    for prefix, part in model_parts(model):
+        fill(prefix, part)
+
+
+def _check_head(cfg: ModelConfig, quantize: str | None, quantize_head: bool) -> None:
+    if quantize_head and cfg.tied_head:
+        raise DllmError("this model's head is its embedding (tied), which stays in the model dtype; drop "
+                        "--quantize-head")
 
 
 def read_json(file: Path, fix: str) -> dict:
@@ -190,8 +256,11 @@ def read_config(path: Path) -> tuple[dict, object]:
 DLM_PAD = "<|dlm_pad|>"  # apple/DiffuCoder's padding after the answer (a Dream-layout checkpoint)
 
 
-def load_dir(path: Path, device="cpu", dtype: torch.dtype | None = None):
+def load_dir(path: Path, device="cpu", dtype: torch.dtype | None = None, quantization=(None, False)):
     hf, arch = read_config(path)
+    saved = saved_quantization(hf, path)
+    if saved is not None:  # a checkpoint save_pretrained wrote from a quantized model: loads as it was saved
+        dtype = check_saved_quantization(path, saved, torch.device(device), dtype, *quantization)
     tokenizer = load_tokenizer(path, arch)
     eot = tokenizer.convert_tokens_to_ids(arch.END_OF_TURN) if arch.END_OF_TURN in tokenizer.get_vocab() else None
     if "mask_token_id" not in hf and tokenizer.mask_token_id is not None:  # LLaDA2 names it in the tokenizer only
@@ -210,10 +279,16 @@ def load_dir(path: Path, device="cpu", dtype: torch.dtype | None = None):
         stops.add(padding)
     if stops != set(cfg.stop_ids):
         cfg = dataclasses.replace(cfg, stop_ids=tuple(sorted(stops)))
+    _check_head(cfg, *quantization)
     if dtype is None:
         dtype = torch.float32 if torch.device(device).type == "cpu" else _checkpoint_dtype(hf, path)
-    model = build_model(cfg, device, dtype)
-    load_weights(model, path, arch.WEIGHT_NAMES, getattr(arch, "SKIPPED_WEIGHTS", ()))
+    model = meta_model(cfg, dtype)
+    if saved is not None:
+        materialize(model, device, quantized_fill(model, path, device))
+        model.quantization = {"scheme": saved["scheme"], "head": saved["quantize_head"]}
+    else:
+        skipped = getattr(arch, "SKIPPED_WEIGHTS", ())
+        materialize(model, device, checkpoint_fill(model, path, arch.WEIGHT_NAMES, device, skipped), *quantization)
     model.generation_defaults = generation_defaults(generation, path, getattr(arch, "GENERATION_KEYS", ()))
     return model.eval(), tokenizer
 
@@ -370,11 +445,17 @@ def _target(model: DiffusionLM, params: dict, ours: str) -> torch.Tensor:
 FLOAT_WEIGHTS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-@torch.no_grad()
-def load_weights(model: DiffusionLM, path: Path, table: dict[str, str], skipped: tuple[str, ...] = ()) -> None:
-    """Stream every tensor from the safetensors files into `model`, strictly: no missing or extra names (but
-    those starting with a `skipped` prefix and not in the table), and every parameter of ours written (the
-    model's memory is uninitialised until then)."""
+def _part_of(ours: str) -> str:
+    """The `model_parts` prefix a name-table target belongs to (`layers.3`, `embed`, ...)."""
+    top, _, rest = _parameter(ours).partition(".")
+    return f"{top}.{rest.partition('.')[0]}" if top == "layers" else top
+
+
+def checkpoint_fill(model: DiffusionLM, path: Path, table: dict[str, str], device, skipped: tuple[str, ...] = ()):
+    """A `fill` that streams each part's tensors from the safetensors files, checked first, strictly: no missing
+    or extra names (but those starting with a `skipped` prefix and not in the table), and every parameter of ours
+    written (the model's memory is uninitialised until then). A part opens (memory-maps) the files it reads and
+    closes them, so the checkpoint's pages never all count as ours."""
     params = dict(model.named_parameters())
     names = table_names(model, table)
     unfilled = set(params) - {_parameter(ours) for ours in names.values()}
@@ -389,27 +470,38 @@ def load_weights(model: DiffusionLM, path: Path, table: dict[str, str], skipped:
         detail = (f"missing {len(missing)} tensors (first: {missing[0]})" if missing else "") + \
                  (("; " if missing else "") + f"unexpected {len(unexpected)} (first: {unexpected[0]})" if unexpected else "")
         raise DllmError(f"{path} does not match config.json: {detail}; is this the right checkpoint?")
-    by_file: dict[Path, list[str]] = {}
-    for name in names:
-        by_file.setdefault(files[name], []).append(name)
-    for f, tensor_names in by_file.items():
-        try:
-            with safe_open(str(f), framework="pt", device=str(model.device)) as handle:
-                for name in tensor_names:
-                    t = handle.get_tensor(name)
-                    p = _target(model, params, names[name])
-                    if t.dtype not in FLOAT_WEIGHTS:
-                        raise DllmError(f"{f.name}: {name} is {t.dtype}; dllm loads float32, bfloat16 or float16 "
-                                        f"weights (dequantize the checkpoint first)")
-                    if t.shape != p.shape:
-                        raise DllmError(f"{f.name}: {name} has shape {tuple(t.shape)}, config.json implies "
-                                        f"{tuple(p.shape)}; the config and weights do not belong together")
-                    p.copy_(t)
-        except DllmError:
-            raise
-        except Exception as e:
-            raise DllmError(f"{f} is corrupt ({type(e).__name__}: {_first_line(e)}); "
-                            f"re-download the checkpoint") from None
+    by_part: dict[str, dict[Path, list[str]]] = {}
+    for name, ours in names.items():
+        by_part.setdefault(_part_of(ours), {}).setdefault(files[name], []).append(name)
+
+    @torch.no_grad()
+    def fill(prefix: str, part: nn.Module) -> None:
+        part_params = dict(part.named_parameters(prefix=prefix))
+        for f, tensor_names in by_part.get(prefix, {}).items():
+            try:
+                with safe_open(str(f), framework="pt", device=str(device)) as handle:
+                    tensors = {name: handle.get_tensor(name) for name in tensor_names}
+            except Exception as e:
+                raise DllmError(f"{f} is corrupt ({type(e).__name__}: {_first_line(e)}); "
+                                f"re-download the checkpoint") from None
+            for name, t in tensors.items():
+                p = _target(model, part_params, names[name])
+                if t.dtype not in FLOAT_WEIGHTS:
+                    raise DllmError(f"{f.name}: {name} is {t.dtype}; dllm loads float32, bfloat16 or float16 "
+                                    f"weights (dequantize the checkpoint first)")
+                if t.shape != p.shape:
+                    raise DllmError(f"{f.name}: {name} has shape {tuple(t.shape)}, config.json implies "
+                                    f"{tuple(p.shape)}; the config and weights do not belong together")
+                p.copy_(t)
+
+    return fill
+
+
+def load_weights(model: DiffusionLM, path: Path, table: dict[str, str], skipped: tuple[str, ...] = ()) -> None:
+    """Stream every tensor from the safetensors files into `model` (which has memory), strictly."""
+    fill = checkpoint_fill(model, path, table, model.device, skipped)
+    for prefix, part in model_parts(model):
+        fill(prefix, part)
 
 
 def checkpoint_state(model: DiffusionLM) -> dict[str, torch.Tensor]:
@@ -421,12 +513,23 @@ def checkpoint_state(model: DiffusionLM) -> dict[str, torch.Tensor]:
 
 
 def save_pretrained(model: DiffusionLM, tokenizer, path: str | Path) -> None:
-    """Write `model` as a Hugging Face directory with the official names of its architecture."""
+    """Write `model` as a Hugging Face directory with the official names of its architecture; a quantized model
+    in torchao's safetensors format under our parameter names, with a `quantization_config` naming the scheme, so
+    that `load` reads it back quantized (quantize once, load many times)."""
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     arch = ARCHITECTURES_BY_NAME[model.config.arch]
-    save_file(checkpoint_state(model), str(path / "model.safetensors"), metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(arch.hf_config(model.config), indent=2) + "\n")
+    config = arch.hf_config(model.config)
+    if model.quantization:
+        tensors, metadata = flatten_state(model)  # refuses what torchao cannot save, before anything is written
+        config["quantization_config"] = {"quant_method": FORMAT, "scheme": model.quantization["scheme"],
+                                         "quantize_head": model.quantization["head"],
+                                         "dtype": str(model.dtype).removeprefix("torch."),
+                                         "torchao_version": torchao().__version__}
+    else:
+        tensors, metadata = checkpoint_state(model), {}
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"), metadata={**metadata, "format": "pt"})
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if model.generation_defaults:
         ours_to_hf = {ours: key for key, ours in GENERATION_KEYS.items()}
         config = {ours_to_hf.get(name, name): value for name, value in model.generation_defaults.items()}

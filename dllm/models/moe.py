@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .quantize import dense
+
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -133,8 +135,9 @@ class MoE(nn.Module):
         token = order // self.cfg.top_k
         ends = torch.searchsorted(experts, torch.arange(self.cfg.n_experts, device=x.device), right=True)
         ends = ends.to(torch.int32)  # where each expert's rows end; a static shape, unlike bincount's
-        gate, up = grouped_matmul(x[token], self.experts_gate_up.transpose(1, 2), ends).chunk(2, dim=-1)
-        out = grouped_matmul(gate_activation(gate, self.cfg.activation) * up, self.experts_down.transpose(1, 2), ends)
+        gate_up, down = dense(self.experts_gate_up), dense(self.experts_down)  # quantized stacks: dequantized
+        gate, up = grouped_matmul(x[token], gate_up.transpose(1, 2), ends).chunk(2, dim=-1)
+        out = grouped_matmul(gate_activation(gate, self.cfg.activation) * up, down.transpose(1, 2), ends)
         out = out * weights.flatten()[order, None].to(out.dtype)
         routed = torch.zeros_like(x).index_add_(0, token, out)
         if self.cfg.shared_size:

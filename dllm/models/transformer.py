@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .moe import MoE, MoEConfig
+from .quantize import is_quantized
 from .rope_scaling import YaRN
 
 
@@ -217,9 +218,9 @@ def fused_linear(x: Tensor, layer: nn.Linear, sizes: tuple[int, ...], per_part: 
                  ) -> tuple[Tensor, ...]:
     """The parts of a fused projection (queries and keys | values, gate | up): one matmul on a GPU; on a CPU
     (`per_part`) one matmul per part on the weight's contiguous row blocks, which measured 4-10% faster there
-    (oneDNN, llada-small)."""
+    (oneDNN, llada-small). A quantized weight: one matmul (its activations quantized once)."""
     if per_part is None:
-        per_part = not x.is_cuda
+        per_part = not x.is_cuda and not is_quantized(layer.weight)
     if not per_part:
         return layer(x).split(sizes, dim=-1)
     biases = (None,) * len(sizes) if layer.bias is None else layer.bias.split(sizes)
@@ -228,9 +229,10 @@ def fused_linear(x: Tensor, layer: nn.Linear, sizes: tuple[int, ...], per_part: 
 
 def head(x: Tensor, weight: Tensor) -> Tensor:
     """The vocabulary projection `x @ weight.T`. On a CPU, for up to 256 rows, computed as `(weight @ x.T).T`:
-    measured 1.1-3.5x faster there for a 32k vocabulary (MKL; 32 rows 49 -> 31 ms), 5% slower from 512 rows."""
+    measured 1.1-3.5x faster there for a 32k vocabulary (MKL; 32 rows 49 -> 31 ms), 5% slower from 512 rows.
+    A quantized head goes through its own linear kernel."""
     flat = x.reshape(-1, x.shape[-1])
-    if x.is_cuda or flat.shape[0] > 256:
+    if x.is_cuda or flat.shape[0] > 256 or is_quantized(weight):
         return F.linear(x, weight)
     return (weight @ flat.T).T.contiguous().reshape(*x.shape[:-1], weight.shape[0])
 
@@ -356,6 +358,7 @@ class Network(nn.Module):
         self.config = cfg
         self.generation_defaults: dict[str, Any] = {}  # from generation_config.json (dllm.loading)
         self.threads: dict[str, int | str] = {}  # the CPU thread count `dllm.load` set, and why (models.threads)
+        self.quantization: dict | None = None  # {"scheme": "int8", "head": False} once quantized (quantize.py)
 
     def init_buffers(self) -> None:
         """Ties and computed buffers, again after `to_empty` (which leaves them unset); subclasses add theirs."""
