@@ -273,6 +273,7 @@ def test_a_client_that_disconnects_stops_its_row(server):
 @pytest.mark.parametrize("args,message", [
     (["--gen-length", "100000"], "the server's defaults cannot answer any request: prompt (1 tokens) + gen_length"),
     (["--port", "99999"], "--port must be between 0 and 65535"),
+    (["--ray-address", "10.0.0.1:6379"], "--ray-address needs --replicas N"),
     (["--port", "{taken}"], "cannot listen on 127.0.0.1:{taken} (Address already in use); pick another --port"),
 ])
 def test_serve_refuses_to_start_what_cannot_answer(args, message):

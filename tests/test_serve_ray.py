@@ -1,0 +1,315 @@
+"""`dllm serve` on Ray Serve replicas: one local Ray instance (2 CPUs) for the module, two replicas of one CPU each
+behind Ray's HTTP proxy. Answers equal `dllm.generate` alone, streaming per block, a disconnect stops its row, one-line
+400s, metrics of every replica in Ray's export, a killed replica costs only its own requests and is replaced, a
+deleted application lets its requests finish, and `dllm serve --replicas --ray-address` joins a running cluster."""
+import http.client
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("prometheus_client")
+ray = pytest.importorskip("ray", reason="Ray Serve is not installed: pip install -e '.[ray]'")
+serve = pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install -e '.[ray]'")
+
+import dllm  # noqa: E402
+from conftest import ROOT  # noqa: E402
+from dllm.eval.synthetic import make_split  # noqa: E402
+from dllm.serve.client import post  # noqa: E402
+from dllm.serve.ray import APP_NAME, app  # noqa: E402
+
+WAIT = 120  # seconds any one wait may take before the test fails (nothing hangs)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    def __init__(self, url: str, metrics_url: str):
+        self.url, self.metrics_url = url, metrics_url
+
+    def exported(self, metric: str, **labels) -> dict[str, float]:
+        """Ray's export of `metric` (labels matched), summed per replica."""
+        with urllib.request.urlopen(self.metrics_url, timeout=30) as r:
+            text = r.read().decode()
+        per_replica: dict[str, float] = {}
+        for line in text.splitlines():
+            if not line.startswith(metric + "{"):
+                continue
+            tags = dict(re.findall(r'(\w+)="([^"]*)"', line[:line.rindex("}")]))
+            if all(tags.get(k) == v for k, v in labels.items()):
+                per_replica[tags["replica"]] = per_replica.get(tags["replica"], 0.0) + float(line.split()[-1])
+        return per_replica
+
+    def wait_exported(self, metric: str, until, **labels) -> dict[str, float]:
+        """Poll Ray's export (reported every half second here) until `until(per_replica)` holds."""
+        deadline = time.monotonic() + WAIT
+        while not until(values := self.exported(metric, **labels)):
+            assert time.monotonic() < deadline, f"{metric} {labels}: {values}"
+            time.sleep(0.5)
+        return values
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    metrics_port, http_port = free_port(), free_port()
+    try:
+        ray.init("local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="warning",
+                 _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 500})
+    except Exception as e:  # e.g. no shared memory or sockets in a sandbox
+        pytest.skip(f"Ray cannot start here: {type(e).__name__}: {e}")
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+        serve.run(app({"num_replicas": 2, "num_cpus": 1, "max_batch": 8}), name=APP_NAME, route_prefix="/")
+        yield Cluster(f"http://127.0.0.1:{http_port}", f"http://127.0.0.1:{metrics_port}/metrics")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return dllm.load("tiny-llada")
+
+
+def chat(prompt, **params):
+    return {"model": "tiny-llada", "messages": [{"role": "user", "content": prompt}], **params}
+
+
+def post_all(url: str, bodies: list) -> list[tuple[int, dict | str]]:
+    """All bodies at once, a client thread each."""
+    results: list = [None] * len(bodies)
+
+    def one(i):
+        results[i] = post(url, bodies[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=WAIT)
+    assert not any(t.is_alive() for t in threads), "a request hung"
+    return results
+
+
+def text_of(answer):
+    return answer["choices"][0]["message"]["content"]
+
+
+def sse(url, body):
+    """The connection and the data lines of a streamed answer, as they arrive."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=WAIT)
+    conn.request("POST", "/v1/chat/completions", json.dumps({**body, "stream": True}),
+                 {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200 and response.getheader("content-type").startswith("text/event-stream")
+    return conn, (line[6:].decode().strip() for line in response if line.startswith(b"data: "))
+
+
+def test_two_replicas_answer_32_concurrent_requests_as_generate_alone(cluster, tiny):
+    """The issue's test: 32 requests at once over two replicas, each answer token for token its solo `generate`;
+    both replicas took a share (Ray's metrics export, tagged by replica, counts every one)."""
+    model, tok = tiny
+    prompts = [ex.prompt for ex in make_split("test", 7)][:32]
+    solo = [dllm.generate(model, tok, p, cache="dual") for p in prompts]
+    results = post_all(cluster.url + "/v1/chat/completions", [chat(p, cache="dual") for p in prompts])
+    assert [status for status, _ in results] == [200] * 32, results
+    assert [text_of(a) for _, a in results] == [g.texts[0] for g in solo]
+    assert [a["usage"]["completion_tokens"] for _, a in results] == [len(g.token_ids[0]) for g in solo]
+    served = cluster.wait_exported("ray_dllm_requests_total", lambda v: sum(v.values()) >= 32, endpoint="chat",
+                                   outcome="ok")
+    assert len(served) == 2 and min(served.values()) > 0, served
+
+
+def test_stream_through_ray_sends_each_block_then_reason_and_done(cluster, tiny):
+    model, tok = tiny
+    prompt = "add: 0062+8111"  # a 45-token answer: two blocks of 32
+    conn, events = sse(cluster.url, chat(prompt))
+    data = list(events)
+    conn.close()
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    parts = [c["choices"][0]["delta"].get("content") for c in chunks[:-1]]
+    assert len(parts) == 2 and all(parts)
+    assert "".join(parts) == dllm.generate(model, tok, prompt).texts[0]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop" and chunks[-1]["usage"]["completion_tokens"] == 45
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+def test_a_client_that_disconnects_through_ray_stops_its_row(cluster, stream):
+    """A long answer (7 blocks, one token per step) whose client leaves while it decodes: Ray's proxy cancels the
+    replica's handler, and the row stops before its answer is complete (counted as cancelled)."""
+    before = sum(cluster.exported("ray_dllm_requests_total", outcome="cancelled").values())
+    host, port = cluster.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=WAIT)
+    body = chat("copy: abcd", gen_length=224, block_length=32, ignore_eos=True, stream=stream)
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    cluster.wait_exported("ray_dllm_batch_rows", lambda v: sum(v.values()) > 0)  # decoding
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    cluster.wait_exported("ray_dllm_requests_total", lambda v: sum(v.values()) == before + 1, outcome="cancelled")
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"prompt": "copy: ab", "sampler": "thresh"}, "unknown sampler 'thresh'"),
+    ({"prompt": "copy: " + "a" * 400}, "exceeds the model's context"),
+    ({"prompt": "copy: ab", "seed": "x"}, "seed must be an integer"),
+    (b"{oops", "not valid JSON"),
+])
+def test_bad_requests_through_ray_get_400_with_the_cli_message(cluster, body, message):
+    status, answer = post(cluster.url + "/v1/completions", body)
+    assert status == 400 and message in answer["error"]["message"] and "\n" not in answer["error"]["message"]
+
+
+def test_models_and_health_through_ray(cluster):
+    with urllib.request.urlopen(cluster.url + "/v1/models") as r:
+        assert json.loads(r.read())["data"][0]["id"] == "tiny-llada"
+    with urllib.request.urlopen(cluster.url + "/health") as r:
+        assert json.loads(r.read())["status"] == "ok"
+
+
+def test_the_shipped_serve_config_is_valid_and_builds():
+    """scripts/ray_serve.yaml passes Ray's own schema for `serve deploy`, and its args build the application."""
+    import yaml
+    from ray.serve.deployment import Application
+    from ray.serve.schema import ServeDeploySchema
+
+    config = ServeDeploySchema.model_validate(yaml.safe_load((ROOT / "scripts" / "ray_serve.yaml").read_text()))
+    (application,) = config.applications
+    assert application.import_path == "dllm.serve.ray:app"
+    assert isinstance(app(application.args), Application)
+
+
+def test_the_readme_serve_run_line_builds():
+    """README's `serve run dllm.serve.ray:app key=value ...`: Ray hands the builder strings, which it takes."""
+    from ray.serve.deployment import Application
+
+    from dllm.serve.ray import ReplicaOptions
+
+    line = re.search(r"^serve run dllm\.serve\.ray:app (.*)$", (ROOT / "README.md").read_text(), re.M).group(1)
+    args = dict(pair.split("=", 1) for pair in line.split())
+    assert isinstance(app(args), Application)
+    assert ReplicaOptions(**args).num_replicas == int(args["num_replicas"])
+
+
+@pytest.mark.parametrize("args,message", [
+    ({"sampler": "thresh"}, "unknown sampler 'thresh'"),
+    ({"device": "cuda:1"}, "each replica gets its own GPU"),
+    ({"num_replicas": 0}, "num_replicas (--replicas) must be at least 1"),
+])
+def test_the_builder_refuses_bad_options_before_deploying(args, message):
+    with pytest.raises(dllm.DllmError, match=re.escape(message)):
+        app(args)
+
+
+def streamed(url: str, body: dict) -> list[str]:
+    """The data lines of a streamed answer until the server ends the stream."""
+    conn, events = sse(url, body)
+    try:
+        return list(events)
+    finally:
+        conn.close()
+
+
+def test_dllm_serve_replicas_refuses_bad_flags_before_starting_ray():
+    proc = subprocess.run([sys.executable, "-m", "dllm.cli", "serve", "--replicas", "0"], capture_output=True,
+                          text=True, timeout=WAIT)
+    assert proc.returncode == 2 and proc.stderr == "error: num_replicas (--replicas) must be at least 1, got 0\n"
+
+
+def test_a_killed_replica_costs_only_its_requests_and_is_replaced(cluster, tiny):
+    """16 requests in flight over two replicas (4 of them streamed); one replica's actor process is killed. Every
+    request ends (none hangs) with its solo answer, or, where the dead replica held it, Ray's HTTP 500 (a stream:
+    cut before its finish chunk and [DONE]). Ray starts a new replica and the deployment answers again with two."""
+    model, tok = tiny
+    prompts = [ex.prompt for ex in make_split("test", 4)][:16]
+    params = {"gen_length": 128, "ignore_eos": True}  # long enough to be in flight when the replica dies
+    results: list = [None] * 16
+
+    def one(i):
+        body = chat(prompts[i], **params)
+        results[i] = streamed(cluster.url, body) if i % 4 == 0 else post(cluster.url + "/v1/chat/completions", body)
+
+    clients = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    for client in clients:
+        client.start()
+    cluster.wait_exported("ray_dllm_batch_rows", lambda v: len(v) == 2 and min(v.values()) > 0)  # both decoding
+    victim = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["name"].startswith(f"SERVE_REPLICA::{APP_NAME}#"))
+    ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+    for client in clients:
+        client.join(timeout=WAIT)
+    assert not any(client.is_alive() for client in clients), "a request hung"
+    failed = []
+    solo = dllm.generate(model, tok, prompts, gen_length=128, stop_early=False).texts  # a row decodes as alone
+    for want, result in zip(solo, results):
+        if isinstance(result, list):  # streamed
+            chunks = [json.loads(d) for d in result if d != "[DONE]"]
+            if result[-1:] != ["[DONE]"]:
+                assert all(c["choices"][0]["finish_reason"] is None for c in chunks)
+                failed.append("stream cut")
+                continue
+            assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == want
+        elif result[0] != 200:
+            assert 500 <= result[0] < 600, result
+            failed.append(f"{result[0]} {result[1]['error']['message']}")
+        else:
+            assert text_of(result[1]) == want
+    assert 0 < len(failed) <= 2 * 8, failed  # at most what the dead replica held (max_ongoing_requests)
+    print(f"\nkilled a replica under load: {16 - len(failed)} of 16 answered as alone, {len(failed)} failed: "
+          f"{', '.join(sorted(failed))}")
+    deadline = time.monotonic() + WAIT
+    while serve.status().applications[APP_NAME].deployments[APP_NAME].replica_states.get("RUNNING", 0) != 2:
+        assert time.monotonic() < deadline, serve.status().applications[APP_NAME]
+        time.sleep(0.5)
+    results = post_all(cluster.url + "/v1/chat/completions", [chat("reverse: hello123")] * 4)
+    assert [(status, text_of(answer)) for status, answer in results] == [(200, "#### 321olleh")] * 4
+
+
+def test_a_deleted_application_lets_its_requests_finish(cluster, tiny):
+    """What `dllm serve --replicas` does on SIGTERM: deleting the application stops each replica only after its
+    requests in flight have finished (the app's lifespan then stops the engine)."""
+    model, tok = tiny
+    body = chat("reverse: hello123", gen_length=192, ignore_eos=True)
+    answers = []
+    client = threading.Thread(target=lambda: answers.append(post(cluster.url + "/v1/chat/completions", body)))
+    client.start()
+    cluster.wait_exported("ray_dllm_batch_rows", lambda v: max(v.values(), default=0) > 0)
+    serve.delete(APP_NAME)
+    client.join(timeout=WAIT)
+    (status, answer), = answers
+    assert status == 200, answer
+    assert text_of(answer) == dllm.generate(model, tok, "reverse: hello123", gen_length=192, stop_early=False).texts[0]
+
+
+def test_dllm_serve_replicas_joins_a_running_cluster_and_leaves_on_sigterm(cluster):
+    """`dllm serve --replicas 1 --ray-address ADDR` deploys onto this module's cluster (whose Serve proxy already
+    listens), answers, and on SIGTERM removes its application and exits 0, leaving the cluster running."""
+    address = ray.get_runtime_context().gcs_address
+    proc = subprocess.Popen([sys.executable, "-m", "dllm.cli", "serve", "--replicas", "1", "--ray-address", address],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + WAIT
+        while APP_NAME not in serve.status().applications or \
+                serve.status().applications[APP_NAME].status != "RUNNING":
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else ""
+            time.sleep(0.5)
+        status, answer = post(cluster.url + "/v1/chat/completions", chat("reverse: hello123"))
+        assert (status, text_of(answer)) == (200, "#### 321olleh")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=WAIT) == 0, proc.stdout.read()
+    finally:
+        proc.kill()
+    assert APP_NAME not in serve.status().applications and ray.is_initialized()
