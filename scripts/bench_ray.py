@@ -94,6 +94,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--sequential", type=int, default=16, help="requests sent one at a time (Ray's added latency)")
+    ap.add_argument("--max-ongoing-requests", type=int, default=None, help="per replica (default: 2 x max batch)")
     args = ap.parse_args()
 
     import ray
@@ -126,7 +127,7 @@ def main() -> None:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         for replicas in (1, 2):
             options = {"model": args.model, "cache": args.cache, "max_batch": args.max_batch,
-                       "num_replicas": replicas, "num_cpus": 1}
+                       "num_replicas": replicas, "num_cpus": 1, "max_ongoing_requests": args.max_ongoing_requests}
             serve.run(app(options), name=APP_NAME, route_prefix="/")
             load(url + "/v1/chat/completions", bodies[:2 * replicas], 2 * replicas)  # warm-up
             name = f"Ray, {replicas} replica{'s' * (replicas > 1)} x 1 CPU"

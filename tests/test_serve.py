@@ -166,9 +166,14 @@ def sse(url, body):
 
 
 def test_stream_sends_each_block_then_reason_usage_and_done(server, tiny):
-    model, tok = tiny
+    check_stream_by_block(server.url, *tiny)
+
+
+def check_stream_by_block(url, model, tok):
+    """A streamed answer: a chunk per decoded block, together `dllm generate`'s text, then the finish reason with
+    usage, then [DONE] (also run through Ray Serve's proxy, tests/test_serve_ray.py)."""
     prompt = "add: 0062+8111"  # a 45-token answer: two blocks of 32
-    conn, events = sse(server.url, chat(prompt))
+    conn, events = sse(url, chat(prompt))
     data = list(events)
     conn.close()
     assert data[-1] == "[DONE]"

@@ -25,6 +25,7 @@ from conftest import ROOT  # noqa: E402
 from dllm.eval.synthetic import make_split  # noqa: E402
 from dllm.serve.client import post  # noqa: E402
 from dllm.serve.ray import APP_NAME, app  # noqa: E402
+from test_serve import chat, check_stream_by_block, sse, text_of  # noqa: E402
 
 WAIT = 120  # seconds any one wait may take before the test fails (nothing hangs)
 
@@ -83,10 +84,6 @@ def tiny():
     return dllm.load("tiny-llada")
 
 
-def chat(prompt, **params):
-    return {"model": "tiny-llada", "messages": [{"role": "user", "content": prompt}], **params}
-
-
 def post_all(url: str, bodies: list) -> list[tuple[int, dict | str]]:
     """All bodies at once, a client thread each."""
     results: list = [None] * len(bodies)
@@ -101,21 +98,6 @@ def post_all(url: str, bodies: list) -> list[tuple[int, dict | str]]:
         t.join(timeout=WAIT)
     assert not any(t.is_alive() for t in threads), "a request hung"
     return results
-
-
-def text_of(answer):
-    return answer["choices"][0]["message"]["content"]
-
-
-def sse(url, body):
-    """The connection and the data lines of a streamed answer, as they arrive."""
-    host, port = url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=WAIT)
-    conn.request("POST", "/v1/chat/completions", json.dumps({**body, "stream": True}),
-                 {"Content-Type": "application/json"})
-    response = conn.getresponse()
-    assert response.status == 200 and response.getheader("content-type").startswith("text/event-stream")
-    return conn, (line[6:].decode().strip() for line in response if line.startswith(b"data: "))
 
 
 def test_two_replicas_answer_32_concurrent_requests_as_generate_alone(cluster, tiny):
@@ -134,17 +116,7 @@ def test_two_replicas_answer_32_concurrent_requests_as_generate_alone(cluster, t
 
 
 def test_stream_through_ray_sends_each_block_then_reason_and_done(cluster, tiny):
-    model, tok = tiny
-    prompt = "add: 0062+8111"  # a 45-token answer: two blocks of 32
-    conn, events = sse(cluster.url, chat(prompt))
-    data = list(events)
-    conn.close()
-    assert data[-1] == "[DONE]"
-    chunks = [json.loads(d) for d in data[:-1]]
-    parts = [c["choices"][0]["delta"].get("content") for c in chunks[:-1]]
-    assert len(parts) == 2 and all(parts)
-    assert "".join(parts) == dllm.generate(model, tok, prompt).texts[0]
-    assert chunks[-1]["choices"][0]["finish_reason"] == "stop" and chunks[-1]["usage"]["completion_tokens"] == 45
+    check_stream_by_block(cluster.url, *tiny)
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])

@@ -129,8 +129,8 @@ class Replica:
         from ..engine.options import default_cache
 
         o = ReplicaOptions(**options)
-        torch.set_num_threads(o.threads)  # the CPUs Ray reserved for this replica, whatever OMP_NUM_THREADS says
         model, tok = dllm.load(o.model, device=o.device, dtype=o.dtype)
+        torch.set_num_threads(o.threads)  # the CPUs Ray reserved for this replica, whatever OMP_NUM_THREADS says
         defaults = {"sampler": o.sampler, "cache": o.cache or default_cache(model), "sampler_args": o.sampler_args,
                     "cache_args": o.cache_args, "gen_length": o.gen_length, "block_length": o.block_length,
                     "steps": o.steps, "seed": o.seed}
