@@ -176,6 +176,19 @@ def test_the_readme_serve_run_line_builds():
     assert ReplicaOptions(**args).num_replicas == int(args["num_replicas"])
 
 
+def test_ray_is_imported_only_when_used():
+    """`import dllm`, the command line and even dllm.serve.ray leave Ray unimported until a deployment is built."""
+    code = "import sys, dllm, dllm.cli, dllm.serve, dllm.serve.ray; print('ray' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+
+
+def test_autoscaling_instead_of_a_replica_count_builds():
+    from ray.serve.deployment import Application
+
+    scaling = {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8}
+    assert isinstance(app({"autoscaling_config": scaling}), Application)
+
+
 @pytest.mark.parametrize("args,message", [
     ({"sampler": "thresh"}, "unknown sampler 'thresh'"),
     ({"device": "cuda:1"}, "each replica gets its own GPU"),
