@@ -53,8 +53,18 @@ class Cluster:
                 per_replica[tags["replica"]] = per_replica.get(tags["replica"], 0.0) + float(line.split()[-1])
         return per_replica
 
+    def first_blocks(self) -> dict[str, float]:
+        """Requests that have decoded their first block, per replica (a counter: Ray keeps it, unlike a gauge that
+        a busy worker reported late)."""
+        return self.exported("ray_dllm_first_block_seconds_count")
+
+    def wait_first_blocks(self, before: dict[str, float], replicas: int = 1) -> None:
+        """Until `replicas` replicas each decoded a first block more than in `before`: requests are decoding."""
+        self.wait_exported("ray_dllm_first_block_seconds_count",
+                           lambda v: sum(v[r] > before.get(r, 0) for r in v) >= replicas)
+
     def wait_exported(self, metric: str, until, **labels) -> dict[str, float]:
-        """Poll Ray's export (reported every half second here) until `until(per_replica)` holds."""
+        """Poll Ray's export (reported every second here) until `until(per_replica)` holds."""
         deadline = time.monotonic() + WAIT
         while not until(values := self.exported(metric, **labels)):
             assert time.monotonic() < deadline, f"{metric} {labels}: {values}"
@@ -67,7 +77,7 @@ def cluster():
     metrics_port, http_port = free_port(), free_port()
     try:
         ray.init("local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="warning",
-                 _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 500})
+                 _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 1000})
     except Exception as e:  # e.g. no shared memory or sockets in a sandbox
         pytest.skip(f"Ray cannot start here: {type(e).__name__}: {e}")
     try:
@@ -124,11 +134,12 @@ def test_a_client_that_disconnects_through_ray_stops_its_row(cluster, stream):
     """A long answer (7 blocks, one token per step) whose client leaves while it decodes: Ray's proxy cancels the
     replica's handler, and the row stops before its answer is complete (counted as cancelled)."""
     before = sum(cluster.exported("ray_dllm_requests_total", outcome="cancelled").values())
+    started = cluster.first_blocks()
     host, port = cluster.url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=WAIT)
     body = chat("copy: abcd", gen_length=224, block_length=32, ignore_eos=True, stream=stream)
     conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
-    cluster.wait_exported("ray_dllm_batch_rows", lambda v: sum(v.values()) > 0)  # decoding
+    cluster.wait_first_blocks(started)  # 6 blocks to go
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
     cluster.wait_exported("ray_dllm_requests_total", lambda v: sum(v.values()) == before + 1, outcome="cancelled")
@@ -143,6 +154,11 @@ def test_a_client_that_disconnects_through_ray_stops_its_row(cluster, stream):
 def test_bad_requests_through_ray_get_400_with_the_cli_message(cluster, body, message):
     status, answer = post(cluster.url + "/v1/completions", body)
     assert status == 400 and message in answer["error"]["message"] and "\n" not in answer["error"]["message"]
+
+
+def test_a_body_over_4_mib_gets_413_through_ray(cluster):
+    status, answer = post(cluster.url + "/v1/completions", {"prompt": "a" * (5 << 20)})
+    assert status == 413 and "larger than 4 MiB" in answer["error"]["message"]
 
 
 def test_models_and_health_through_ray(cluster):
@@ -227,10 +243,11 @@ def test_a_killed_replica_costs_only_its_requests_and_is_replaced(cluster, tiny)
         body = chat(prompts[i], **params)
         results[i] = streamed(cluster.url, body) if i % 4 == 0 else post(cluster.url + "/v1/chat/completions", body)
 
+    started = cluster.first_blocks()
     clients = [threading.Thread(target=one, args=(i,)) for i in range(16)]
     for client in clients:
         client.start()
-    cluster.wait_exported("ray_dllm_batch_rows", lambda v: len(v) == 2 and min(v.values()) > 0)  # both decoding
+    cluster.wait_first_blocks(started, replicas=2)  # both decoding, 3 blocks to go
     victim = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                   if a["name"].startswith(f"SERVE_REPLICA::{APP_NAME}#"))
     ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
@@ -268,10 +285,10 @@ def test_a_deleted_application_lets_its_requests_finish(cluster, tiny):
     requests in flight have finished (the app's lifespan then stops the engine)."""
     model, tok = tiny
     body = chat("reverse: hello123", gen_length=192, ignore_eos=True)
-    answers = []
+    answers, started = [], cluster.first_blocks()
     client = threading.Thread(target=lambda: answers.append(post(cluster.url + "/v1/chat/completions", body)))
     client.start()
-    cluster.wait_exported("ray_dllm_batch_rows", lambda v: max(v.values(), default=0) > 0)
+    cluster.wait_first_blocks(started)  # 5 blocks to go
     serve.delete(APP_NAME)
     client.join(timeout=WAIT)
     (status, answer), = answers
@@ -282,6 +299,8 @@ def test_a_deleted_application_lets_its_requests_finish(cluster, tiny):
 def test_dllm_serve_replicas_joins_a_running_cluster_and_leaves_on_sigterm(cluster):
     """`dllm serve --replicas 1 --ray-address ADDR` deploys onto this module's cluster (whose Serve proxy already
     listens), answers, and on SIGTERM removes its application and exits 0, leaving the cluster running."""
+    if APP_NAME in serve.status().applications:  # left by a failed test above
+        serve.delete(APP_NAME)
     address = ray.get_runtime_context().gcs_address
     proc = subprocess.Popen([sys.executable, "-m", "dllm.cli", "serve", "--replicas", "1", "--ray-address", address],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
