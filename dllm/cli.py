@@ -373,7 +373,7 @@ def _serve(args) -> int:
         options = dict(_serve_defaults(args), model=args.model, device=args.device, dtype=args.dtype,
                        compile=args.compile, max_batch=args.max_batch, name=args.name, num_replicas=args.replicas,
                        shutdown_timeout=args.shutdown_timeout)
-        return serve_replicas(options, args.ray_address, args.host, args.port)
+        return serve_replicas(options, args.ray_address, args.host, args.port, args.threads)
     if args.ray_address is not None:
         raise DllmError("--ray-address needs --replicas N (the replicas to deploy on that cluster)")
     _check_port(args.host, args.port)
@@ -501,7 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_prefix_cache_flag(s)
     s.add_argument("--replicas", type=int, default=None, metavar="N",
                    help="N engines behind one port on Ray Serve (pip install '.[ray]'), each with its share of "
-                        "the CPUs, or one GPU each with --device cuda")
+                        "the CPUs (--threads T: T each), or one GPU each with --device cuda")
     s.add_argument("--ray-address", default=None, metavar="ADDR",
                    help="with --replicas: deploy on the Ray cluster at ADDR (default: a new local Ray instance)")
     s.set_defaults(run=_serve)

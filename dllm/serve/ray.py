@@ -16,9 +16,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from ..core.checks import check_int
 from ..core.errors import DllmError
 from .http import create_app
 from .metrics import BUCKETS, METRICS, Metrics
+from .requests import served_defaults
 from .scheduler import Engine
 
 APP_NAME = "dllm"
@@ -32,7 +34,7 @@ class ReplicaOptions(BaseModel):
     model: str = "tiny-llada"
     device: str | None = None  # None: cuda where the cluster has GPUs, else cpu
     dtype: str | None = None
-    sampler: str = "low_confidence"
+    sampler: str | None = None  # None: the model family's (dllm.engine.options.model_sampler)
     sampler_args: dict[str, Any] = {}
     cache: str | None = None  # None: the model's default cache
     cache_args: dict[str, Any] = {}
@@ -65,7 +67,8 @@ class ReplicaOptions(BaseModel):
             raise DllmError(f"max_batch (--max-batch) must be at least 1, got {self.max_batch}")
         if self.num_replicas < 1:
             raise DllmError(f"num_replicas (--replicas) must be at least 1, got {self.num_replicas}")
-        samplers.SAMPLERS.create(self.sampler, **self.sampler_args)
+        if self.sampler is not None:
+            samplers.SAMPLERS.create(self.sampler, **self.sampler_args)
         if self.cache is not None:
             caches.CACHES.create(self.cache, **self.cache_args)
 
@@ -122,18 +125,13 @@ class Replica:
     """One replica: the model, its engine (the thread starts with the app's lifespan) and the app over it."""
 
     def __init__(self, options: dict[str, Any]):
-        import torch
-
         import dllm
 
-        from ..engine.options import default_cache
-
         o = ReplicaOptions(**options)
-        model, tok = dllm.load(o.model, device=o.device, dtype=o.dtype)
-        torch.set_num_threads(o.threads)  # the CPUs Ray reserved for this replica, whatever OMP_NUM_THREADS says
-        defaults = {"sampler": o.sampler, "cache": o.cache or default_cache(model), "sampler_args": o.sampler_args,
-                    "cache_args": o.cache_args, "gen_length": o.gen_length, "block_length": o.block_length,
-                    "steps": o.steps, "seed": o.seed}
+        # torch threads: the CPUs Ray reserved for this replica (what Ray also puts in OMP_NUM_THREADS)
+        model, tok = dllm.load(o.model, device=o.device, dtype=o.dtype, threads=o.threads)
+        defaults = served_defaults(model, o.model_dump(include={"sampler", "sampler_args", "cache", "cache_args",
+                                                                "gen_length", "block_length", "steps", "seed"}))
         self.engine = Engine(model, tok, o.name or o.model, defaults, o.max_batch, o.compile)
         self.engine.metrics = ReplicaMetrics()
         self.engine.check_defaults()
@@ -183,23 +181,33 @@ def _stop(signum, frame):
     raise _Stop
 
 
-def serve_replicas(options: dict[str, Any], address: str | None, host: str, port: int) -> int:
+def local_cpus(replicas: int, threads: int | None, cpus: int) -> int:
+    """CPUs (and torch threads) of each replica on a Ray instance of our own with `cpus` CPUs: `threads` where
+    given (`--threads`), else an equal share; DllmError where the replicas do not fit."""
+    each = threads or max(1, cpus // replicas)
+    if replicas * each > cpus:
+        raise DllmError(f"--replicas {replicas} of {each} CPU(s) each need {replicas * each} CPUs, this machine has "
+                        f"{cpus}; use fewer --replicas or --threads, or join a cluster with --ray-address")
+    return each
+
+
+def serve_replicas(options: dict[str, Any], address: str | None, host: str, port: int,
+                   threads: int | None = None) -> int:
     """`dllm serve --replicas N`: start a local Ray instance (or join the cluster at `address`), deploy the
     replicas behind `host:port`, serve until SIGTERM/SIGINT, then let requests in flight finish and leave (a
-    second signal stops at once)."""
+    second signal stops at once). Each replica takes `threads` CPUs, by default its share of our own instance's
+    or one of a cluster's."""
     ray, serve = _ray()
     options = ReplicaOptions(**options)
     options.check()
+    if threads is not None:
+        check_int("--threads", threads, 1)
     ray.init(address=address or "local", include_dashboard=False, log_to_driver=False, logging_level="warning")
     for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, whose own SIGTERM handler aborts the process
         signal.signal(sig, _stop)
     try:
-        if address is None:  # our own instance: the machine's CPUs shared among the replicas
-            cpus = int(ray.cluster_resources().get("CPU", 1))
-            if cpus < options.num_replicas:
-                raise DllmError(f"--replicas {options.num_replicas} needs a CPU each, this machine has {cpus}; "
-                                f"use --replicas {cpus} or join a cluster with --ray-address")
-            options.num_cpus = cpus // options.num_replicas
+        options.num_cpus = (threads or 1) if address else \
+            local_cpus(options.num_replicas, threads, int(ray.cluster_resources().get("CPU", 1)))
         serve.start(http_options={"host": host, "port": port})
         try:
             serve.run(app(options.model_dump()), name=APP_NAME, route_prefix="/")
