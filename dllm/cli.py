@@ -372,7 +372,7 @@ def _serve(args) -> int:
             _check_port(args.host, args.port)
         options = dict(_serve_defaults(args), model=args.model, device=args.device, dtype=args.dtype,
                        compile=args.compile, max_batch=args.max_batch, name=args.name, num_replicas=args.replicas,
-                       shutdown_timeout=args.shutdown_timeout)
+                       prefix_cache_mb=args.prefix_cache_mb, shutdown_timeout=args.shutdown_timeout)
         return serve_replicas(options, args.ray_address, args.host, args.port, args.threads)
     if args.ray_address is not None:
         raise DllmError("--ray-address needs --replicas N (the replicas to deploy on that cluster)")

@@ -44,6 +44,7 @@ class ReplicaOptions(BaseModel):
     seed: int = 0
     compile: bool = False
     max_batch: int = 8
+    prefix_cache_mb: float = 0
     name: str | None = None
     num_replicas: int = 1
     autoscaling_config: dict[str, Any] | None = None  # instead of num_replicas: Ray Serve's autoscaling_config
@@ -110,8 +111,8 @@ class _Twin:
 class ReplicaMetrics(Metrics):
     """`Metrics` whose every update also reaches Ray's metrics export (the whole deployment's view)."""
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, prefix_cache=None):
+        super().__init__(prefix_cache)
         from ray.serve import metrics
 
         kinds = {"counter": metrics.Counter, "gauge": metrics.Gauge, "histogram": metrics.Histogram}
@@ -132,8 +133,8 @@ class Replica:
         model, tok = dllm.load(o.model, device=o.device, dtype=o.dtype, threads=o.threads)
         defaults = served_defaults(model, o.model_dump(include={"sampler", "sampler_args", "cache", "cache_args",
                                                                 "gen_length", "block_length", "steps", "seed"}))
-        self.engine = Engine(model, tok, o.name or o.model, defaults, o.max_batch, o.compile)
-        self.engine.metrics = ReplicaMetrics()
+        self.engine = Engine(model, tok, o.name or o.model, defaults, o.max_batch, o.compile, o.prefix_cache_mb)
+        self.engine.metrics = ReplicaMetrics(self.engine.prefix)
         self.engine.check_defaults()
 
     def __serve_build_asgi_app__(self):
