@@ -83,7 +83,9 @@ def cluster():
         pytest.skip(f"Ray cannot start here: {type(e).__name__}: {e}")
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
-        serve.run(app({"num_replicas": 2, "num_cpus": 1, "max_batch": 8}), name=APP_NAME, route_prefix="/")
+        # 4 requests at most per replica: 8 at once split 4 + 4, whatever Ray's router knows of the replicas' queues
+        serve.run(app({"num_replicas": 2, "num_cpus": 1, "max_batch": 8, "max_ongoing_requests": 4}), name=APP_NAME,
+                  route_prefix="/")
         yield Cluster(f"http://127.0.0.1:{http_port}", f"http://127.0.0.1:{metrics_port}/metrics")
     finally:
         serve.shutdown()
@@ -250,7 +252,7 @@ def test_dllm_serve_replicas_refuses_more_cpus_than_its_instance_has(replicas, t
 
 
 def test_a_killed_replica_costs_only_its_requests_and_is_replaced(cluster, tiny):
-    """8 requests of one prompt in flight over two replicas (2 of them streamed); one replica's actor process is
+    """8 requests of one prompt in flight, 4 on each replica (2 of them streamed); one replica's actor process is
     killed. Every request ends (none hangs) with the prompt's solo answer, or, where the dead replica held it, Ray's
     HTTP 500 (a stream: cut before its finish chunk and [DONE]). Ray starts a new replica and the deployment answers
     again with two."""
@@ -288,7 +290,7 @@ def test_a_killed_replica_costs_only_its_requests_and_is_replaced(cluster, tiny)
             failed.append(f"{result[0]} {result[1]['error']['message']}")
         else:
             assert text_of(result[1]) == want
-    assert 0 < len(failed) < 8, failed  # the dead replica's requests, not the other's
+    assert 0 < len(failed) <= 4, failed  # the dead replica's requests, not the other's
     print(f"\nkilled a replica under load: {8 - len(failed)} of 8 answered as alone, {len(failed)} failed: "
           f"{', '.join(sorted(failed))}")
     deadline = time.monotonic() + WAIT
