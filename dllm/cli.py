@@ -371,7 +371,8 @@ def _serve(args) -> int:
         if args.ray_address is None:
             _check_port(args.host, args.port)
         options = dict(_serve_defaults(args), model=args.model, device=args.device, dtype=args.dtype,
-                       compile=args.compile, max_batch=args.max_batch, name=args.name, num_replicas=args.replicas,
+                       quantize=args.quantize, quantize_head=args.quantize_head, compile=args.compile,
+                       max_batch=args.max_batch, name=args.name, num_replicas=args.replicas,
                        prefix_cache_mb=args.prefix_cache_mb, shutdown_timeout=args.shutdown_timeout)
         return serve_replicas(options, args.ray_address, args.host, args.port, args.threads)
     if args.ray_address is not None:

@@ -34,6 +34,8 @@ class ReplicaOptions(BaseModel):
     model: str = "tiny-llada"
     device: str | None = None  # None: cuda where the cluster has GPUs, else cpu
     dtype: str | None = None
+    quantize: str | None = None  # --quantize: int8, int8-dynamic, int4, fp8 (extra `quant`)
+    quantize_head: bool = False
     sampler: str | None = None  # None: the model family's (dllm.engine.options.model_sampler)
     sampler_args: dict[str, Any] = {}
     cache: str | None = None  # None: the model's default cache
@@ -130,7 +132,8 @@ class Replica:
 
         o = ReplicaOptions(**options)
         # torch threads: the CPUs Ray reserved for this replica (what Ray also puts in OMP_NUM_THREADS)
-        model, tok = dllm.load(o.model, device=o.device, dtype=o.dtype, threads=o.threads)
+        model, tok = dllm.load(o.model, device=o.device, dtype=o.dtype, threads=o.threads, quantize=o.quantize,
+                               quantize_head=o.quantize_head)
         defaults = served_defaults(model, o.model_dump(include={"sampler", "sampler_args", "cache", "cache_args",
                                                                 "gen_length", "block_length", "steps", "seed"}))
         self.engine = Engine(model, tok, o.name or o.model, defaults, o.max_batch, o.compile, o.prefix_cache_mb)
