@@ -319,8 +319,8 @@ def _bench(args) -> int:
     return 0
 
 
-def _serve_setup(args):
-    """Model, tokenizer and the server's decoding defaults (validated before anything listens)."""
+def _serve_defaults(args) -> dict[str, Any]:
+    """The server's decoding defaults from the flags, checked before any model loads (cache None: the model's)."""
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401
@@ -331,16 +331,21 @@ def _serve_setup(args):
     if args.max_batch < 1:
         raise DllmError(f"--max-batch must be at least 1, got {args.max_batch}")
     _policies(args)
-    model, tok = _load(args)
-    decoding_lengths(model, args.gen_length, args.block_length, args.steps)
     sampler_args = _key_values(args.sampler_arg, "--sampler-arg")
     if args.temperature is not None:
         sampler_args["temperature"] = args.temperature
-    sampler, sampler_args = model_sampler(model, args.sampler, sampler_args)
-    defaults = {"sampler": sampler, "cache": args.cache or default_cache(model), "sampler_args": sampler_args,
-                "cache_args": _key_values(args.cache_arg, "--cache-arg"), "gen_length": args.gen_length,
-                "block_length": args.block_length, "steps": args.steps, "seed": args.seed}
-    return model, tok, defaults
+    return {"sampler": args.sampler, "sampler_args": sampler_args, "cache": args.cache,
+            "cache_args": _key_values(args.cache_arg, "--cache-arg"), "gen_length": args.gen_length,
+            "block_length": args.block_length, "steps": args.steps, "seed": args.seed}
+
+
+def _serve_setup(args):
+    """Model, tokenizer and the server's decoding defaults (validated before anything listens)."""
+    from .serve.requests import served_defaults
+
+    defaults = _serve_defaults(args)
+    model, tok = _load(args)
+    return model, tok, served_defaults(model, defaults)
 
 
 def _check_port(host: str, port: int) -> None:
@@ -360,16 +365,22 @@ def _check_port(host: str, port: int) -> None:
 def _serve(args) -> int:
     from .serve import Engine, create_app, server
 
+    if args.replicas is not None:
+        from .serve.ray import serve_replicas
+
+        if args.ray_address is None:
+            _check_port(args.host, args.port)
+        options = dict(_serve_defaults(args), model=args.model, device=args.device, dtype=args.dtype,
+                       quantize=args.quantize, quantize_head=args.quantize_head, compile=args.compile,
+                       max_batch=args.max_batch, name=args.name, num_replicas=args.replicas,
+                       prefix_cache_mb=args.prefix_cache_mb, shutdown_timeout=args.shutdown_timeout)
+        return serve_replicas(options, args.ray_address, args.host, args.port, args.threads)
+    if args.ray_address is not None:
+        raise DllmError("--ray-address needs --replicas N (the replicas to deploy on that cluster)")
     _check_port(args.host, args.port)
     model, tok, defaults = _serve_setup(args)
     engine = Engine(model, tok, args.name or args.model, defaults, args.max_batch, args.compile, args.prefix_cache_mb)
-    if engine.prefix is not None and not caches.CACHES.get(defaults["cache"]).keeps_final_blocks:
-        raise DllmError(f"--prefix-cache-mb reuses the keys and values cache 'block' keeps; the default cache "
-                        f"{defaults['cache']!r} recomputes them: use --cache block or drop --prefix-cache-mb")
-    try:  # the defaults on a one-token prompt: what would fail every request fails now
-        engine.job({"prompt": [model.config.filler_id]}, chat=False)
-    except DllmError as e:
-        raise DllmError(f"the server's defaults cannot answer any request: {e}") from None
+    engine.check_defaults()
     server(create_app(engine), args.host, args.port, args.shutdown_timeout, engine).run()
     return 0
 
@@ -489,6 +500,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for requests in flight before cancelling them")
     _add_prefix_cache_flag(s)
+    s.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="N engines behind one port on Ray Serve (pip install '.[ray]'), each with its share of "
+                        "the CPUs (--threads T: T each), or one GPU each with --device cuda")
+    s.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="with --replicas: deploy on the Ray cluster at ADDR (default: a new local Ray instance)")
     s.set_defaults(run=_serve)
     bs = sub.add_parser("bench-serve", help="served throughput and latency vs client concurrency, against "
                                             "sequential decoding (loopback server)")

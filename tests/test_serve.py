@@ -166,9 +166,14 @@ def sse(url, body):
 
 
 def test_stream_sends_each_block_then_reason_usage_and_done(server, tiny):
-    model, tok = tiny
+    check_stream_by_block(server.url, *tiny)
+
+
+def check_stream_by_block(url, model, tok):
+    """A streamed answer: a chunk per decoded block, together `dllm generate`'s text, then the finish reason with
+    usage, then [DONE] (also run through Ray Serve's proxy, tests/test_serve_ray.py)."""
     prompt = "add: 0062+8111"  # a 45-token answer: two blocks of 32
-    conn, events = sse(server.url, chat(prompt))
+    conn, events = sse(url, chat(prompt))
     data = list(events)
     conn.close()
     assert data[-1] == "[DONE]"
@@ -273,6 +278,7 @@ def test_a_client_that_disconnects_stops_its_row(server):
 @pytest.mark.parametrize("args,message", [
     (["--gen-length", "100000"], "the server's defaults cannot answer any request: prompt (1 tokens) + gen_length"),
     (["--port", "99999"], "--port must be between 0 and 65535"),
+    (["--ray-address", "10.0.0.1:6379"], "--ray-address needs --replicas N"),
     (["--port", "{taken}"], "cannot listen on 127.0.0.1:{taken} (Address already in use); pick another --port"),
 ])
 def test_serve_refuses_to_start_what_cannot_answer(args, message):

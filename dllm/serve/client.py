@@ -6,7 +6,8 @@ import time
 
 
 def post(url: str, body: dict | bytes, timeout: float = 300.0) -> tuple[int, dict]:
-    """POST a JSON body; returns the status and the decoded JSON answer (errors included)."""
+    """POST a JSON body; returns the status and the decoded JSON answer (errors included; an error that is not
+    JSON, such as a proxy's own 500 or 404 text, as OpenAI's error shape)."""
     import urllib.error
     import urllib.request
 
@@ -16,7 +17,11 @@ def post(url: str, body: dict | bytes, timeout: float = 300.0) -> tuple[int, dic
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
+        raw = e.read()
+        try:
+            return e.code, json.loads(raw or b"{}")
+        except ValueError:
+            return e.code, {"error": {"message": raw.decode(errors="replace"), "code": e.code}}
 
 
 def load(url: str, bodies: list[dict], concurrency: int) -> dict:

@@ -110,7 +110,7 @@ async def _read_body(request) -> bytes | None:
 
 async def _next_event(job: Job, request) -> dict | None:
     """The job's next event; None (and the job cancelled: its row stops at the next step) once the client has
-    gone."""
+    gone. A cancelled handler (a proxy in front, e.g. Ray Serve's, that saw the client go) cancels the job too."""
     while True:
         try:
             return await asyncio.wait_for(job.events.get(), timeout=0.25)
@@ -118,6 +118,9 @@ async def _next_event(job: Job, request) -> dict | None:
             if await request.is_disconnected():
                 job.cancelled = True
                 return None
+        except asyncio.CancelledError:
+            job.cancelled = True
+            raise
 
 
 async def _sse(job: Job, base: dict, chat: bool, request, logprobs: LogprobsFormat):

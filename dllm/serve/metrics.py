@@ -1,32 +1,37 @@
 """The server's Prometheus metrics (prometheus_client, extra `serve`), one registry per engine."""
 
+BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)  # seconds
+
+METRICS = (  # attribute, kind, name, description, labels
+    ("requests", "counter", "dllm_requests", "Requests answered, by endpoint and outcome", ("endpoint", "outcome")),
+    ("prompt_tokens", "counter", "dllm_prompt_tokens", "Prompt tokens of answered requests", ()),
+    ("tokens", "counter", "dllm_generated_tokens", "Answer tokens sent", ()),
+    ("committed", "counter", "dllm_committed_tokens", "Tokens committed by the sampler", ()),
+    ("forwards", "counter", "dllm_forwards", "Model forwards", ()),
+    ("rows_computed", "counter", "dllm_rows_computed", "Token rows the network computed, summed over layers", ()),
+    ("tokens_per_forward", "gauge", "dllm_tokens_per_forward", "Committed tokens per forward (all rows), since start",
+     ()),
+    ("queue", "gauge", "dllm_queue_depth", "Requests waiting for a batch slot", ()),
+    ("rows", "gauge", "dllm_batch_rows", "Rows in the running batch", ()),
+    ("latency", "histogram", "dllm_request_latency_seconds", "Request latency, submit to last block", ()),
+    ("first_block", "histogram", "dllm_first_block_seconds", "Submit to the first final block", ()),
+)
+
 
 class Metrics:
-    """Prometheus metrics of one server (its own registry)."""
+    """Prometheus metrics of one server (its own registry), an attribute per row of `METRICS`, and the prefix
+    cache's counters where it has one."""
 
     def __init__(self, prefix_cache=None):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-        self.registry = r = CollectorRegistry()
-        self.requests = Counter("dllm_requests", "Requests answered, by endpoint and outcome",
-                                ["endpoint", "outcome"], registry=r)
-        self.prompt_tokens = Counter("dllm_prompt_tokens", "Prompt tokens of answered requests", registry=r)
-        self.tokens = Counter("dllm_generated_tokens", "Answer tokens sent", registry=r)
-        self.committed = Counter("dllm_committed_tokens", "Tokens committed by the sampler", registry=r)
-        self.forwards = Counter("dllm_forwards", "Model forwards", registry=r)
-        self.rows_computed = Counter("dllm_rows_computed", "Token rows the network computed, summed over layers",
-                                     registry=r)
-        self.tokens_per_forward = Gauge("dllm_tokens_per_forward", "Committed tokens per forward (all rows), "
-                                        "since start", registry=r)
-        self.queue = Gauge("dllm_queue_depth", "Requests waiting for a batch slot", registry=r)
-        self.rows = Gauge("dllm_batch_rows", "Rows in the running batch", registry=r)
-        buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-        self.latency = Histogram("dllm_request_latency_seconds", "Request latency, submit to last block",
-                                 buckets=buckets, registry=r)
-        self.first_block = Histogram("dllm_first_block_seconds", "Submit to the first final block",
-                                     buckets=buckets, registry=r)
+        kinds = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
+        self.registry = CollectorRegistry()
+        for attribute, kind, name, description, labels in METRICS:
+            extra = {"buckets": BUCKETS} if kind == "histogram" else {}
+            setattr(self, attribute, kinds[kind](name, description, labels, registry=self.registry, **extra))
         if prefix_cache is not None:
-            r.register(_PrefixCacheCollector(prefix_cache))
+            self.registry.register(_PrefixCacheCollector(prefix_cache))
 
     def text(self) -> bytes:
         from prometheus_client import generate_latest

@@ -15,7 +15,7 @@ from ..core.errors import DllmError
 from ..engine.canvas import Canvas
 from ..engine.checks import check_policies
 from ..engine.logprobs import check_logprobs
-from ..engine.options import decoding_lengths, lengths_for_answer, split_params
+from ..engine.options import decoding_lengths, default_cache, lengths_for_answer, model_sampler, split_params
 from ..engine.text import check_plain_text, encode_prompts, warn_outside_format
 
 OPENAI_FIELDS = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "seed", "stream",
@@ -57,6 +57,15 @@ class Job:
 
     def send(self, kind: str, **payload) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, {"kind": kind, **payload})
+
+
+def served_defaults(model, flags: dict[str, Any]) -> dict[str, Any]:
+    """A server's decoding defaults on `model` from its flags (`dllm serve`'s, a Ray replica's options): no sampler
+    named gives the family's with its arguments (`model_sampler`), no cache the model's (`default_cache`); the
+    lengths are checked."""
+    decoding_lengths(model, flags["gen_length"], flags["block_length"], flags["steps"])
+    sampler, sampler_args = model_sampler(model, flags["sampler"], flags["sampler_args"])
+    return {**flags, "sampler": sampler, "sampler_args": sampler_args, "cache": flags["cache"] or default_cache(model)}
 
 
 class RequestReader:

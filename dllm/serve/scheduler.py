@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..cache import PrefixBlocks
+from ..cache import CACHES, PrefixBlocks
 from ..core.checks import check_int
 from ..core.errors import DllmError
 from ..engine.loop import Batch
@@ -75,6 +75,18 @@ class Engine:
     def job(self, body: Any, chat: bool) -> Job:
         """Validate a request body into a Job (DllmError: the one-line reason)."""
         return self.requests.job(body, chat)
+
+    def check_defaults(self) -> None:
+        """Fail now (DllmError) on defaults that would fail every request: they decode a one-token prompt; a
+        prefix cache needs a default cache that keeps finished blocks."""
+        cache = self.requests.defaults["cache"]
+        if self.prefix is not None and not CACHES.get(cache).keeps_final_blocks:
+            raise DllmError(f"--prefix-cache-mb reuses the keys and values cache 'block' keeps; the default cache "
+                            f"{cache!r} recomputes them: use --cache block or drop --prefix-cache-mb")
+        try:
+            self.job({"prompt": [self.model.config.filler_id]}, chat=False)
+        except DllmError as e:
+            raise DllmError(f"the server's defaults cannot answer any request: {e}") from None
 
     def submit(self, job: Job) -> None:
         with self.cond:

@@ -1,0 +1,232 @@
+"""`dllm serve` on Ray Serve replicas (extra `ray`): one engine per replica behind one HTTP port, on one machine or a
+cluster.
+
+Each replica is a Ray actor that loads the model and builds its own `Engine` and `create_app(engine)` (through
+`serve.ingress`'s late-bound `__serve_build_asgi_app__`, so the engine and its thread live in the replica);
+Ray runs the app's lifespan, which starts the engine thread, and stops it after the replica's requests drained.
+`app` is the Ray Serve application builder (`serve run dllm.serve.ray:app key=value ...`, `import_path` of a
+`serve deploy` config); `serve_replicas` is `dllm serve --replicas N [--ray-address ADDR]`. Ray is imported on
+first use only, so this module imports without it."""
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from ..core.checks import check_int
+from ..core.errors import DllmError
+from .http import create_app
+from .metrics import BUCKETS, METRICS, Metrics
+from .requests import served_defaults
+from .scheduler import Engine
+
+APP_NAME = "dllm"
+
+
+class ReplicaOptions(BaseModel):
+    """What every replica serves (`dllm serve`'s flags, Python names) and how the deployment is laid out."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = "tiny-llada"
+    device: str | None = None  # None: cuda where the cluster has GPUs, else cpu
+    dtype: str | None = None
+    quantize: str | None = None  # --quantize: int8, int8-dynamic, int4, fp8 (extra `quant`)
+    quantize_head: bool = False
+    sampler: str | None = None  # None: the model family's (dllm.engine.options.model_sampler)
+    sampler_args: dict[str, Any] = {}
+    cache: str | None = None  # None: the model's default cache
+    cache_args: dict[str, Any] = {}
+    gen_length: int | None = None
+    block_length: int | None = None
+    steps: int | None = None
+    seed: int = 0
+    compile: bool = False
+    max_batch: int = 8
+    prefix_cache_mb: float = 0
+    name: str | None = None
+    num_replicas: int = 1
+    autoscaling_config: dict[str, Any] | None = None  # instead of num_replicas: Ray Serve's autoscaling_config
+    num_cpus: float = 1.0  # per replica; its torch threads
+    num_gpus: float | None = None  # per replica; None: 1 on cuda, else 0
+    max_ongoing_requests: int | None = None  # None: 2 * max_batch
+    shutdown_timeout: float = 30.0  # seconds a stopping replica waits for its requests
+
+    @property
+    def threads(self) -> int:
+        return max(1, int(self.num_cpus))
+
+    def check(self) -> None:
+        """What can fail without the model fails here, before Ray starts anything (DllmError)."""
+        from .. import cache as caches
+        from .. import samplers
+
+        if self.device is not None and self.device.startswith("cuda:"):
+            raise DllmError(f"device {self.device!r}: each replica gets its own GPU (as cuda); use device cuda")
+        if self.max_batch < 1:
+            raise DllmError(f"max_batch (--max-batch) must be at least 1, got {self.max_batch}")
+        if self.num_replicas < 1:
+            raise DllmError(f"num_replicas (--replicas) must be at least 1, got {self.num_replicas}")
+        if self.sampler is not None:
+            samplers.SAMPLERS.create(self.sampler, **self.sampler_args)
+        if self.cache is not None:
+            caches.CACHES.create(self.cache, **self.cache_args)
+
+
+def _ray():
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        raise DllmError("Ray Serve is not installed; pip install 'dllm-fast[ray]' (from a checkout: "
+                        "pip install -e '.[ray]')") from None
+    return ray, serve
+
+
+class _Twin:
+    """One of our metrics: this replica's prometheus_client metric (its /metrics) and its `ray.serve.metrics` twin,
+    which Ray exports tagged with the application, deployment and replica."""
+
+    def __init__(self, local, remote, keys: tuple[str, ...], tags: dict[str, str] | None = None):
+        self.local, self.remote, self.keys, self.tags = local, remote, keys, tags
+
+    def labels(self, *values: str) -> _Twin:
+        return _Twin(self.local.labels(*values), self.remote, self.keys, dict(zip(self.keys, values)))
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.local.inc(amount)
+        if amount > 0:  # Ray's counters take positive steps only
+            self.remote.inc(amount, tags=self.tags)
+
+    def set(self, value: float) -> None:
+        self.local.set(value)
+        self.remote.set(value, tags=self.tags)
+
+    def observe(self, value: float) -> None:
+        self.local.observe(value)
+        self.remote.observe(value, tags=self.tags)
+
+
+class ReplicaMetrics(Metrics):
+    """`Metrics` whose every update also reaches Ray's metrics export (the whole deployment's view)."""
+
+    def __init__(self, prefix_cache=None):
+        super().__init__(prefix_cache)
+        from ray.serve import metrics
+
+        kinds = {"counter": metrics.Counter, "gauge": metrics.Gauge, "histogram": metrics.Histogram}
+        for attribute, kind, name, description, labels in METRICS:
+            extra = {"boundaries": list(BUCKETS)} if kind == "histogram" else {}
+            remote = kinds[kind](name, description, tag_keys=labels, **extra)
+            setattr(self, attribute, _Twin(getattr(self, attribute), remote, labels))
+
+
+class Replica:
+    """One replica: the model, its engine (the thread starts with the app's lifespan) and the app over it."""
+
+    def __init__(self, options: dict[str, Any]):
+        import dllm
+
+        o = ReplicaOptions(**options)
+        # torch threads: the CPUs Ray reserved for this replica (what Ray also puts in OMP_NUM_THREADS)
+        model, tok = dllm.load(o.model, device=o.device, dtype=o.dtype, threads=o.threads, quantize=o.quantize,
+                               quantize_head=o.quantize_head)
+        defaults = served_defaults(model, o.model_dump(include={"sampler", "sampler_args", "cache", "cache_args",
+                                                                "gen_length", "block_length", "steps", "seed"}))
+        self.engine = Engine(model, tok, o.name or o.model, defaults, o.max_batch, o.compile, o.prefix_cache_mb)
+        self.engine.metrics = ReplicaMetrics(self.engine.prefix)
+        self.engine.check_defaults()
+
+    def __serve_build_asgi_app__(self):
+        return create_app(self.engine)
+
+    def check_health(self) -> None:
+        """Ray's periodic health check: a replica whose engine thread died is replaced."""
+        if self.engine.thread.ident is not None and not self.engine.thread.is_alive() and not self.engine.stopping:
+            raise RuntimeError("the engine thread has stopped")
+
+
+def app(args: dict[str, Any]):
+    """Ray Serve application builder: `serve run dllm.serve.ray:app model=tiny-llada num_replicas=2`, or a serve
+    config's `import_path` with `args:` (the fields of `ReplicaOptions`)."""
+    ray, serve = _ray()
+    options = ReplicaOptions(**args)
+    options.check()
+    if options.device is None:
+        gpus = ray.cluster_resources().get("GPU", 0) if ray.is_initialized() else 0
+        options.device = "cuda" if gpus else "cpu"
+    gpus = options.num_gpus if options.num_gpus is not None else float(options.device.startswith("cuda"))
+    scale = {"autoscaling_config": options.autoscaling_config} if options.autoscaling_config is not None \
+        else {"num_replicas": options.num_replicas}
+    replicas = serve.deployment(serve.ingress()(Replica), name=APP_NAME, **scale,
+                                ray_actor_options={"num_cpus": options.num_cpus, "num_gpus": gpus},
+                                max_ongoing_requests=options.max_ongoing_requests or 2 * options.max_batch,
+                                graceful_shutdown_timeout_s=options.shutdown_timeout)
+    return replicas.bind(options.model_dump())
+
+
+def _replica_error(serve) -> str:
+    """The replicas' own error, one line: the last line of the traceback that Ray keeps in the deployment's
+    status (our DllmError's message where the replica raised one)."""
+    status = serve.status().applications.get(APP_NAME)
+    lines = [line for d in (status.deployments.values() if status else ()) for line in d.message.splitlines()]
+    last = lines[-1] if lines else "no reason given; see the replica logs under /tmp/ray/session_latest/logs"
+    return last.removeprefix(f"{DllmError.__module__}.{DllmError.__name__}: ")
+
+
+class _Stop(KeyboardInterrupt):
+    """SIGTERM or SIGINT reached `dllm serve --replicas` (before the replicas run: an interrupt)."""
+
+
+def _stop(signum, frame):
+    raise _Stop
+
+
+def local_cpus(replicas: int, threads: int | None, cpus: int) -> int:
+    """CPUs (and torch threads) of each replica on a Ray instance of our own with `cpus` CPUs: `threads` where
+    given (`--threads`), else an equal share; DllmError where the replicas do not fit."""
+    each = threads or max(1, cpus // replicas)
+    if replicas * each > cpus:
+        raise DllmError(f"--replicas {replicas} of {each} CPU(s) each need {replicas * each} CPUs, this machine has "
+                        f"{cpus}; use fewer --replicas or --threads, or join a cluster with --ray-address")
+    return each
+
+
+def serve_replicas(options: dict[str, Any], address: str | None, host: str, port: int,
+                   threads: int | None = None) -> int:
+    """`dllm serve --replicas N`: start a local Ray instance (or join the cluster at `address`), deploy the
+    replicas behind `host:port`, serve until SIGTERM/SIGINT, then let requests in flight finish and leave (a
+    second signal stops at once). Each replica takes `threads` CPUs, by default its share of our own instance's
+    or one of a cluster's."""
+    ray, serve = _ray()
+    options = ReplicaOptions(**options)
+    options.check()
+    if threads is not None:
+        check_int("--threads", threads, 1)
+    ray.init(address=address or "local", include_dashboard=False, log_to_driver=False, logging_level="warning")
+    for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, whose own SIGTERM handler aborts the process
+        signal.signal(sig, _stop)
+    try:
+        options.num_cpus = (threads or 1) if address else \
+            local_cpus(options.num_replicas, threads, int(ray.cluster_resources().get("CPU", 1)))
+        serve.start(http_options={"host": host, "port": port})
+        try:
+            serve.run(app(options.model_dump()), name=APP_NAME, route_prefix="/")
+            where = f"at http://{host}:{port}" if address is None else \
+                f"on the Ray cluster at {address}, behind its Serve HTTP proxy"
+            print(f"dllm: {options.num_replicas} replicas of {options.model} {where}", file=sys.stderr, flush=True)
+            threading.Event().wait()
+        except _Stop:
+            pass
+        except RuntimeError:
+            raise DllmError(f"the replicas did not start: {_replica_error(serve)}") from None
+        finally:  # the replicas finish their requests (at most shutdown_timeout), then stop
+            serve.delete(APP_NAME)
+        if address is None:
+            serve.shutdown()
+    finally:
+        ray.shutdown()
+    return 0
