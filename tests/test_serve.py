@@ -83,7 +83,8 @@ def test_mixed_parameters_at_once_each_equal_alone(server, tiny):
              ("sort: 09,04,07,01", {"temperature": 0.8, "seed": 5}), ("copy: zzyx", {"temperature": 0.8, "seed": 6}),
              ("add: 0012+0034", {"gen_length": 96}), ("count digits: ab3c9", {"sampler": "prophet"}),
              ("reverse: hello123", {"sampler": "prophet", "answer_start": 5}), ("copy: abcd", {"cache": "dkv"}),
-             ("reverse: q1w2", {"max_tokens": 5}), ("copy: mnop", {"sampler": "credit", "cache": "prefix"})]
+             ("reverse: q1w2", {"max_tokens": 5}), ("copy: mnop", {"sampler": "credit", "cache": "prefix"}),
+             ("sort: 09,04,07,01", {"sampler": "threshold", "threshold": 0.3, "cache": "dual", "temperature": 0.5})]
     run = load(server.url + "/v1/chat/completions", [chat(p, **kw) for p, kw in cases], concurrency=len(cases))
     for (prompt, kw), (status, answer, _) in zip(cases, run["results"]):
         kw = dict(kw)
@@ -95,6 +96,48 @@ def test_mixed_parameters_at_once_each_equal_alone(server, tiny):
         assert status == 200, answer
         assert text_of(answer) == tok.decode(ids, skip_special_tokens=True), (prompt, kw)
         assert answer["choices"][0]["finish_reason"] == ("length" if max_tokens else "stop")
+
+
+def test_other_thresholds_share_a_batch_and_another_cache_waits_behind_no_one(tiny):
+    """Two requests that differ in threshold decode as two rows of one batch; a request for another cache, queued
+    between them, gets its own batch at once (not after the first drains), and the two batches take blocks in
+    turn. Every answer equals its prompt alone with its own settings."""
+    model, tok = tiny
+    engine = Engine(model, tok, "tiny-llada", {**DEFAULTS, "sampler": "threshold", "cache": "dual"}, max_batch=8)
+    cases = [("add: 0062+8111", {"threshold": 0.9}), ("add: 0062+8111", {"cache": "prefix"}),
+             ("add: 0431+2270", {"threshold": 0.3})]
+    events = {}
+    for prompt, settings in cases:
+        job = engine.job(chat(prompt, **settings), chat=True)
+        job.emit = events.setdefault(prompt + str(settings), []).append
+        engine.submit(job)
+    engine._admit()
+    assert [sorted(job.sampler.threshold for job in group.jobs.values()) for group in engine.groups] == [[0.3, 0.9],
+                                                                                                        [0.9]]
+    assert {group.batch.cache.name for group in engine.groups} == {"dual", "prefix"}
+    order = []
+    while engine.groups:
+        order.append(engine.groups[0].batch.cache.name)
+        engine.step()
+    assert order[:4] == ["dual", "prefix", "dual", "prefix"]  # two-block answers: blocks in turn
+    for prompt, settings in cases:
+        last = events[prompt + str(settings)][-1]
+        want = dllm.generate(model, tok, prompt, **{"sampler": "threshold", "cache": "dual", **settings})
+        assert last["done"] and last["ids"] == want.token_ids[0]
+
+
+def test_a_full_engine_admits_the_oldest_waiting_request_first(tiny):
+    model, tok = tiny
+    engine = Engine(model, tok, "tiny-llada", DEFAULTS, max_batch=1)
+    jobs = [engine.job(chat("copy: ab", **settings), chat=True) for settings in ({}, {"cache": "dual"}, {})]
+    for job in jobs:
+        job.emit = lambda event: None
+        engine.submit(job)
+    admitted = []
+    while engine.groups or engine.waiting:
+        engine.step()
+        admitted += [job for job in engine.jobs.values() if job not in admitted]
+    assert admitted == jobs
 
 
 BAD = [
