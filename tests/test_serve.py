@@ -414,3 +414,16 @@ def test_a_sampler_configuration_is_prepared_once(server, monkeypatch):
     assert len(calls) == 2
     status, answer = post(server.url + "/v1/chat/completions", body)
     assert status == 200 and len(calls) == 2
+
+
+def test_bench_serve_with_mixed_settings_compares_every_answer(capsys):
+    """`dllm bench-serve --mix threshold=0.5`: every other request at another threshold; each served answer is
+    compared with its own sequential one (none differ, none fail)."""
+    from dllm.cli import main
+
+    assert main(["bench-serve", "--model", "tiny-llada", "--sampler", "threshold", "--cache", "dual", "--requests",
+                 "6", "--concurrency", "3", "--mix", "threshold=0.5", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["config"]["mix"] == {"threshold": 0.5} and result["config"]["requests"] == 6
+    assert [(r["concurrency"], r["errors"], r["mismatches"]) for r in result["rows"]] == [("sequential", 0, 0),
+                                                                                         (3, 0, 0)]
