@@ -422,8 +422,9 @@ def test_bench_serve_with_mixed_settings_compares_every_answer(capsys):
     from dllm.cli import main
 
     assert main(["bench-serve", "--model", "tiny-llada", "--sampler", "threshold", "--cache", "dual", "--requests",
-                 "6", "--concurrency", "3", "--mix", "threshold=0.5", "--json"]) == 0
+                 "6", "--concurrency", "3", "--mix", "threshold=0.5", "--repeats", "2", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["config"]["mix"] == {"threshold": 0.5} and result["config"]["requests"] == 6
+    assert result["config"]["repeats"] == 2
     assert [(r["concurrency"], r["errors"], r["mismatches"]) for r in result["rows"]] == [("sequential", 0, 0),
                                                                                          (3, 0, 0)]

@@ -49,7 +49,8 @@ def create_app(engine: Engine):
             body = json.loads(raw or b"null")
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             return error(400, f"the request body is not valid JSON ({e}); send a JSON object")
-        try:  # a long prompt is tokenized off the event loop; a short one costs less than the hop to a thread
+        try:  # a long prompt is tokenized off the event loop; a short one costs less than the hop to a thread (but
+            # for a new AdaBlock configuration's vocabulary scan, once: prepared samplers are kept)
             job = engine.job(body, chat) if len(raw) <= INLINE_BYTES else \
                 await asyncio.to_thread(engine.job, body, chat)
         except DllmError as e:

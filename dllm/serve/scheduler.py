@@ -69,8 +69,8 @@ class Engine:
 
     @property
     def jobs(self) -> dict[Row, Job]:
-        """Every running row's job."""
-        return {row: job for group in list(self.groups) for row, job in group.jobs.items()}
+        """Every running row's job (read from any thread: copies, never iterates what the engine thread changes)."""
+        return {row: job for group in list(self.groups) for row, job in list(group.jobs.items())}
 
     # -- requests ---------------------------------------------------------------------------------------------
     def job(self, body: Any, chat: bool) -> Job:
