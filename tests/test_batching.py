@@ -107,3 +107,20 @@ def test_whole_answer_methods_refuse_rows_mid_run(sampler, cache):
         batch.add(PROMPTS[2], 16)
     with pytest.raises(DllmError, match="cannot drop rows from a running batch; let it finish"):
         batch.remove(batch.rows[0])
+
+
+@pytest.mark.parametrize("cache", ["none", "dual"])
+def test_a_row_with_nothing_left_to_decode_is_left_out_of_the_forward(cache):
+    """A row that has finished, or has decoded its block while others have not, is not computed: the batch computes
+    each row's canvas in exactly the forwards the row runs alone (with the no-cache canvas, every position of the
+    batch's width), and each row gives its tokens alone."""
+    import dllm
+    model, tok = dllm.load("tiny-llada")
+    prompts = ["copy: ab", "add: 0062+8111"]  # one block; two
+    args = dict(sampler="threshold", cache=cache, gen_length=64, block_length=32)
+    batch = dllm.generate(model, tok, prompts, **args)
+    alone = [dllm.generate(model, tok, p, **args) for p in prompts]
+    assert batch.texts == [a.texts[0] for a in alone]
+    assert batch.stats.nfe < sum(a.stats.nfe for a in alone)  # the rows shared forwards
+    if cache == "none":
+        assert batch.stats.rows_per_layer[0] == batch.sequences.shape[1] * sum(a.stats.nfe for a in alone)

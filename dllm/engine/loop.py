@@ -234,8 +234,8 @@ class Batch:
         while any(open_now):
             counted = list(self.runner.kv.rows_per_layer) if self.trace is not None else None
             lo, hi, rows = self._plan(step, start, end)
-            logits = reused[1] if reused is not None and reused[0] == (lo, hi) else self.runner.forward(
-                lo, hi, rows, inputs=self.sampler.model_inputs(self.state, step), block=(start, end))
+            logits = reused[1] if reused is not None and reused[0] == (lo, hi) else self._forward(
+                lo, hi, rows, open_now, step, (start, end))
             ctx = self._context(logits, step, start, end, lo, hi, open_now)
             if step == 0:  # the block-start forward may move the block end (AdaBlock)
                 end = self._move_block_end(ctx)
@@ -284,6 +284,16 @@ class Batch:
         return lo, hi, self.cache.plan(self.runner.kv, caches.PlanContext(
             canvas=canvas, masked=masked, masked_before=before, next_commits=next_commits, step=step, start=start,
             end=end, lo=lo, hi=hi, shift=cfg.logit_shift, family=self.family))
+
+    def _forward(self, lo: int, hi: int, rows: Rows, open_now: list[bool], step: int, block: tuple[int, int]
+                 ) -> Tensor:
+        """The step's logits. Rows with nothing left to decode in the block (finished, or done with the block while
+        others are not) are left out of the forward where the cache recomputes every row at the next block start;
+        their logits are zero, and the sampler commits nothing there."""
+        inputs = self.sampler.model_inputs(self.state, step)
+        if all(open_now) or not self.cache.block_fresh or self.compile or self.sampler.drafts:
+            return self.runner.forward(lo, hi, rows, inputs=inputs, block=block)
+        return self.runner.forward_open(lo, hi, rows, open_now, inputs, block)
 
     def _open_rows(self, start: int, end: int, again: Tensor | None = None) -> Tensor:
         """[B] rows with an uncommitted position left in the block, or (token editing) asking for another step."""
