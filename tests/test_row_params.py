@@ -1,5 +1,6 @@
 """Per-row sampler settings: rows of one batch with their own temperature, thresholds, ... (`Batch.add(...,
 sampler=...)`, stacked into `[B]` tensors) give the tokens each prompt gives alone with its own settings."""
+import functools
 import math
 from types import SimpleNamespace
 
@@ -19,12 +20,14 @@ GEN, BLOCK = 16, 8
 OTHER = {"temperature": 0.7, "threshold": 0.1, "factor": 3.0, "top_p": 0.9, "top_k": 20, "eps": 0.1, "alg_temp": 0.5,
          "alpha": 1.5, "beta": 0.3, "gamma": 0.7, "relaxed_threshold": 0.05, "radius": 1, "early_threshold": 0.5,
          "mid_threshold": 0.3, "late_threshold": 0.1, "early_bound": 0.1, "late_bound": 0.5, "draft_steps": 2,
-         "bound": 3.0, "sub_block": 3, "edit_threshold": 0.2, "edit_steps": 2, "delimiter_threshold": 0.2}
+         "bound": 3.0, "sub_block": 3, "edit_threshold": 0.2, "edit_steps": 2, "delimiter_threshold": 0.2,
+         "max_post_edit_steps": 1}
 # settings every row shares: Prophet exits early (on the threshold rule), AdaBlock keeps fixed blocks (rows of one
 # batch share block ends, so only then is each row its prompt alone)
 SHARED = {"prophet": {"answer_start": 2, "base": "threshold"}, "adablock": {"delimiter_ids": "7",
                                                                             "delimiter_threshold": math.inf}}
 FIXED = {"speculative": {"temperature"}, "adablock": {"delimiter_threshold"}}  # lossless only greedy; see above
+PRESET = {"joint_threshold_indel": "llada2.2-tiny"}  # writes the delete and split tokens of an insert/delete model
 NAMES = [cls.name for cls in samplers.SAMPLERS]
 
 
@@ -32,9 +35,14 @@ def varied(name: str) -> list[str]:
     return [p for p in samplers.SAMPLERS.get(name).row_params() if p not in FIXED.get(name, ())]
 
 
+@functools.cache
+def model_for(name: str):
+    return random_model(PRESET.get(name, "llada-tiny"))
+
+
 @pytest.fixture(scope="module")
 def model():
-    return random_model("llada-tiny")
+    return model_for("low_confidence")
 
 
 def decode_rows(model, rows: list[tuple[list[int], int, samplers.Sampler]]) -> list[list[int]]:
@@ -61,17 +69,17 @@ def test_every_per_row_parameter_has_a_second_value():
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_two_settings_in_one_batch_equal_each_alone(model, name):
+def test_two_settings_in_one_batch_equal_each_alone(name):
     """Every per-row parameter of the sampler differs between the two settings at once."""
-    mixed, alone = mixed_and_alone(model, name, {p: OTHER[p] for p in varied(name)})
+    mixed, alone = mixed_and_alone(model_for(name), name, {p: OTHER[p] for p in varied(name)})
     assert mixed == alone
     if name != "speculative":  # lossless: its parameter changes forwards, never tokens
         assert alone[0] != alone[2]  # the second setting decodes the first prompt otherwise
 
 
 @pytest.mark.parametrize("name,param", [(name, p) for name in NAMES for p in varied(name)])
-def test_one_parameter_per_row_equals_alone(model, name, param):
-    mixed, alone = mixed_and_alone(model, name, {param: OTHER[param]})
+def test_one_parameter_per_row_equals_alone(name, param):
+    mixed, alone = mixed_and_alone(model_for(name), name, {param: OTHER[param]})
     assert mixed == alone
 
 
