@@ -96,7 +96,8 @@ class Canvas:
         return dataclasses.replace(self, tokens=self.tokens[index], positions=self.positions[index],
                                    key_mask=None if self.key_mask is None else self.key_mask[index],
                                    gen_start=self.gen_start[index], gen_end=self.gen_end[index],
-                                   answer=self.answer[index])
+                                   answer=self.answer[index],
+                                   uncommitted=None if self.uncommitted is None else self.uncommitted[index])
 
     def finish_rows(self, finished: Tensor, cfg) -> Tensor:
         """Mark rows whose answer is complete (its first committed stop token comes before its first position not
