@@ -28,7 +28,7 @@ OTHER = {"temperature": 0.7, "threshold": 0.1, "factor": 3.0, "top_p": 0.9, "top
 SHARED = {"prophet": {"answer_start": 2, "base": "threshold"}, "adablock": {"delimiter_ids": "7",
                                                                             "delimiter_threshold": math.inf}}
 FIXED = {"speculative": {"temperature"}, "adablock": {"delimiter_threshold"}}  # lossless only greedy; see above
-PRESET = {"joint_threshold_indel": "llada2.2-tiny",  # writes the delete and split tokens of an insert/delete model
+PRESET = {"joint_threshold_indel": "llada2.2-tiny", "nemotron": "nemotron-diffusion-tiny",  # writes the delete and split tokens of an insert/delete model
           "entropy_bound": "diffusion-gemma-tiny"}  # denoises a uniform-state canvas
 NAMES = [cls.name for cls in samplers.SAMPLERS]
 
@@ -61,11 +61,12 @@ def decode_rows(model, rows: list[tuple[list[int], int, samplers.Sampler]]) -> l
     return [batch.answer(row) for row in added]
 
 
-def mixed_and_alone(model, name: str, other: dict) -> tuple[list, list]:
-    """Rows with the shared settings and with `other` in one batch (the first prompt with both), and each row
-    alone."""
-    a = samplers.SAMPLERS.create(name, **SHARED.get(name, {}))
-    b = samplers.SAMPLERS.create(name, **SHARED.get(name, {}), **other)
+def mixed_and_alone(model, name: str, other: dict, shared: dict | None = None) -> tuple[list, list]:
+    """Rows with the shared settings (default: `SHARED`'s) and with `other` in one batch (the first prompt with
+    both), and each row alone."""
+    shared = SHARED.get(name, {}) if shared is None else shared
+    a = samplers.SAMPLERS.create(name, **shared)
+    b = samplers.SAMPLERS.create(name, **shared, **other)
     rows = [(PROMPTS[0], 0, a), (PROMPTS[1], 1, b), (PROMPTS[0], 0, b), (PROMPTS[2], 2, a)]
     return decode_rows(model, rows), [decode_rows(model, [row])[0] for row in rows]
 
@@ -88,6 +89,15 @@ def test_two_settings_in_one_batch_equal_each_alone(name):
 def test_one_parameter_per_row_equals_alone(name, param):
     mixed, alone = mixed_and_alone(model_for(name), name, {param: OTHER[param]})
     assert mixed == alone
+
+
+@pytest.mark.parametrize("name", ["low_confidence", "threshold", "leftmost"])
+def test_causal_first_rows_with_their_own_settings_equal_each_alone(name):
+    """Nemotron's causal first token (drawn at each row's own temperature), then the rule with each row's own
+    parameters."""
+    mixed, alone = mixed_and_alone(model_for("nemotron"), name, {p: OTHER[p] for p in varied(name)},
+                                   {"causal_first": True})
+    assert mixed == alone and alone[0] != alone[2]
 
 
 def test_none_and_numbers_share_a_batch(model):
