@@ -433,7 +433,7 @@ def decoded(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cach
     batch = Batch(model, sampler, cache, block_length, steps_per_block, stop_early, trace, profile, callback, compile,
                   prefix_cache)
     for ids, row_seed in zip(prompts, seed if isinstance(seed, list) else [seed] * len(prompts)):
-        batch.add(ids, gen_length, row_seed, logprobs)
+        batch.add(ids, gen_length, row_seed, logprobs=logprobs)
     while batch.running:
         batch.run_block()
     return batch

@@ -34,7 +34,7 @@ def create_app(engine: Engine):
         if job.complete:  # a stop string ended it; the engine's later blocks are not the answer's
             return
         events = [event] if event["kind"] == "error" else job.read(engine.tokenizer, event["ids"], event["done"],
-                                                                     event["reason"])
+                                                                     event["reason"], event["logprobs"])
         for e in events:
             job.events.put_nowait(e)
             if e["kind"] == "done":
