@@ -111,6 +111,15 @@ class PassThrough:
     def adopt(self, fork: "PassThrough", choice: Tensor, rows: slice) -> None:
         """Take the state of draft `choice[b]` of each row, computed at canvas `rows`, from `fork`."""
 
+    def take_rows(self, index: Tensor) -> "PassThrough":
+        """A store for the batch rows `index` alone (a forward that leaves the other rows out), its memory copied
+        out; `put_rows` copies it back."""
+        return copy.copy(self)
+
+    def put_rows(self, part: "PassThrough", index: Tensor) -> None:
+        """Take back `part` (from `take_rows(index)`) after its forward, with the rows it counted."""
+        self.rows_per_layer = part.rows_per_layer
+
 
 class KVStore(PassThrough):
     """Post-RoPE K/V of the whole canvas: `k[layer]`, `v[layer]` `[B, Hkv, L, D]`, each layer's `(Hkv, D)` from
@@ -153,6 +162,16 @@ class KVStore(PassThrough):
             fork.unflatten(0, (mine.shape[0], copies)).copy_(mine[:, None])
         view.k, view.v = tensors[:len(self.k)], tensors[len(self.k):]
         return view
+
+    def take_rows(self, index: Tensor) -> "KVStore":
+        part = copy.copy(self)
+        part.k, part.v = [t.index_select(0, index) for t in self.k], [t.index_select(0, index) for t in self.v]
+        return part
+
+    def put_rows(self, part: "KVStore", index: Tensor) -> None:
+        super().put_rows(part, index)
+        for mine, theirs in zip(self.tensors, part.tensors):
+            mine.index_copy_(0, index, theirs)
 
     def adopt(self, fork: "KVStore", choice: Tensor, rows: slice) -> None:
         """Draft `choice[b]`'s `rows` (a slice: drafts verify between refreshes) into this store."""

@@ -31,6 +31,14 @@ def _key_values(pairs: list[str], flag: str) -> dict[str, str]:
     return out
 
 
+def _json_or_text(value: str) -> Any:
+    """A flag's value as JSON where it parses (0.5, true, null), else the text itself."""
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
+
+
 def _add_decoding_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="shipped name, random:<preset> or a local directory")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
@@ -393,15 +401,17 @@ def _bench_serve(args) -> int:
     except ValueError:
         raise DllmError(f"--concurrency takes comma-separated integers, e.g. 1,4,16; got {args.concurrency!r}") \
             from None
-    if min(levels) < 1 or args.requests < 1:
-        raise DllmError("--concurrency levels and --requests must be at least 1")
+    if min(levels) < 1 or args.requests < 1 or args.repeats < 1:
+        raise DllmError("--concurrency levels, --requests and --repeats must be at least 1")
     if args.system_prompt_tokens < 0:
         raise DllmError(f"--system-prompt-tokens must be 0 (none) or more, got {args.system_prompt_tokens}")
     if args.plot:
         _check_writable_file(args.plot, "--plot")
     model, tok, defaults = _serve_setup(args)
+    mix = {key: _json_or_text(value) for key, value in _key_values(args.mix, "--mix").items()}
     result = bench_serve(model, tok, args.model, defaults, args.max_batch, args.requests, levels, args.compile,
-                         prefix_cache_mb=args.prefix_cache_mb, system_prompt_tokens=args.system_prompt_tokens)
+                         prefix_cache_mb=args.prefix_cache_mb, system_prompt_tokens=args.system_prompt_tokens,
+                         mix=mix, repeats=args.repeats)
     if args.plot and not plot_bench(result, args.plot):
         print("note: plot not drawn: matplotlib is missing; pip install 'dllm-fast[plot]'", file=sys.stderr)
     print(json.dumps(result) if args.json else format_bench(result), end="\n" if args.json else "")
@@ -512,6 +522,12 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--max-batch", type=int, default=8)
     bs.add_argument("--requests", type=int, default=64)
     bs.add_argument("--concurrency", default="1,4,16", help="client counts, comma-separated")
+    bs.add_argument("--mix", action="append", default=[], metavar="KEY=VALUE",
+                    help="a body field every other request sends (e.g. threshold=0.5: half the requests at "
+                         "another threshold); repeat for more")
+    bs.add_argument("--repeats", type=int, default=1,
+                    help="rounds per concurrency, each a sequential pass then a served one (the median ratio is "
+                         "the speedup: steadier on a shared machine)")
     bs.add_argument("--plot", metavar="FILE", help="tokens/s vs concurrency as a PNG (matplotlib)")
     _add_prefix_cache_flag(bs)
     bs.add_argument("--system-prompt-tokens", type=int, default=0,

@@ -7,6 +7,8 @@ confidences are softmax probabilities over the other tokens. The references use 
 propose MASK, and "committing" it leaves the position masked."""
 from __future__ import annotations
 
+import copy
+import math
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any, Callable, ClassVar
@@ -14,7 +16,7 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch import Tensor
 
-from dllm.core.params import Params, param
+from dllm.core.params import Params, is_numeric, param, type_hints
 
 
 @dataclass
@@ -75,6 +77,8 @@ class Sampler(Params):
     commits_past_block: ClassVar[bool] = False  # may commit masks of later blocks (Prophet's early exit)
     reads_decoded_logits: ClassVar[bool] = False  # reads logits of decoded positions of its window (Prophet's gap)
     may_commit_nothing: ClassVar[bool] = False  # a step before the block's last may commit nothing (Dream's origin)
+    batch_params: ClassVar[tuple[str, ...]] = ()  # numeric parameters the rows of a batch share (they set the logits
+    # the batch computes); the others may differ per row (`stack_rows`)
     temperature: float = param(0.0, "sampling temperature (0 = greedy)", ge=0.0)
 
     def step(self, ctx: StepContext) -> Commit:
@@ -84,8 +88,20 @@ class Sampler(Params):
         """Hook: the `[B, C, V]` log-probabilities of the distribution each token was drawn from, given the logits
         it was drawn from (`Commit.logits`, else the step's): softmax(logits / T), the plain softmax at T = 0 (the
         argmax of the model's distribution). What `logprobs=k` reports for each committed token."""
-        logits = logits.float()
-        return (logits / self.temperature if self.temperature else logits).log_softmax(-1)
+        return tempered(logits.float(), self.temperature).log_softmax(-1)
+
+    @classmethod
+    def row_params(cls) -> list[str]:
+        """The parameters that may differ between the rows of one batch: the numeric ones, less `batch_params`
+        (a bool or a string chooses the rule itself)."""
+        hints = type_hints(cls)
+        return [name for name in cls.param_names() if is_numeric(hints[name]) and name not in cls.batch_params]
+
+    def batch_key(self) -> tuple:
+        """What the rows of one batch share: the sampler and its parameters that are not per row (`dllm serve`
+        batches requests whose keys, and caches, are equal)."""
+        rows = self.row_params()
+        return (self.name, *((k, v) for k, v in self.config().items() if k != "name" and k not in rows))
 
     def prepare(self, tokenizer) -> None:
         """Hook, called by `dllm.generate` before decoding: read what the sampler needs from the tokenizer."""
@@ -129,6 +145,62 @@ class Sampler(Params):
         return ctx.block_end
 
 
+def stack_rows(samplers: list[Sampler]) -> Sampler:
+    """One sampler for rows with their own settings (samplers equal in `batch_key`, one per row): the first, with
+    each per-row parameter whose value differs between rows as a `[B]` float64 tensor on the CPU (NaN where a row
+    has None); a sampler it holds (Prophet's base) is stacked too. Steps read such a parameter through `per_row` or
+    `each_value`. Rows that all agree get the first sampler itself, so a batch of one setting decodes as before."""
+    first = samplers[0]
+    differ = [name for name in first.row_params() if len({getattr(s, name) for s in samplers}) > 1]
+    if not differ:
+        return first
+    stacked = copy.copy(first)
+    for name in differ:
+        setattr(stacked, name, torch.tensor([math.nan if getattr(s, name) is None else getattr(s, name)
+                                             for s in samplers], dtype=torch.float64))
+    for name, value in vars(first).items():
+        if isinstance(value, Sampler):
+            setattr(stacked, name, stack_rows([getattr(s, name) for s in samplers]))
+    return stacked
+
+
+def per_row(value: Any, like: Tensor) -> Any:
+    """A parameter as an operand of `like` (`[B, ...]`): a number as it is; per-row values (`stack_rows`) as
+    `[B, 1, ...]` in `like`'s dtype and device, the number a Python float becomes in an op with `like`, so that
+    every row computes what it computes alone."""
+    if not isinstance(value, Tensor):
+        return value
+    return value.to(like.device, like.dtype).view(-1, *[1] * (like.dim() - 1))
+
+
+def row_values(value: Any, rows: int) -> list:
+    """A parameter's value for each of `rows` rows, as Python numbers (None where a row has None)."""
+    if not isinstance(value, Tensor):
+        return [value] * rows
+    return [None if math.isnan(v) else v for v in value.tolist()]
+
+
+def each_value(value: Any, compute: Callable[[Any], Tensor]) -> Tensor:
+    """`compute(value)` `[B, ...]` for a number; for per-row values, `compute` of each distinct value over the whole
+    batch, every row keeping its own value's result: the rows grouped by value, for a parameter that sets a shape
+    or a branch (a pooling radius, None for off) or whose tensor operand rounds unlike a number (a power)."""
+    if not isinstance(value, Tensor):
+        return compute(value)
+    values, out = row_values(value, len(value)), None
+    for v in dict.fromkeys(values):
+        result = compute(v)
+        own = torch.tensor([x == v for x in values], device=result.device).view(-1, *[1] * (result.dim() - 1))
+        out = result if out is None else torch.where(own, result, out)
+    return out
+
+
+def tempered(logits: Tensor, temperature: Any) -> Tensor:
+    """`logits / T`, per row where temperatures differ; rows at T = 0 or None (greedy) keep their logits."""
+    if isinstance(temperature, Tensor):
+        return logits / per_row(temperature.masked_fill(~(temperature > 0), 1.0), logits)
+    return logits / temperature if temperature else logits
+
+
 def uniform(shape: torch.Size, generators: list[torch.Generator | None], device: torch.device) -> Tensor:
     """float64 uniforms of `shape` `[B, ...]`, row b drawn from `generators[b]` (zeros for a row with nothing to
     decode this step, None): a row gets the numbers it would get alone."""
@@ -136,15 +208,16 @@ def uniform(shape: torch.Size, generators: list[torch.Generator | None], device:
                         torch.rand(shape[1:], dtype=torch.float64, device=device, generator=g) for g in generators])
 
 
-def gumbel_argmax(logits: Tensor, temperature: float, generators: list[torch.Generator]) -> Tensor:
+def gumbel_argmax(logits: Tensor, temperature: Any, generators: list[torch.Generator | None]) -> Tensor:
     """Sample from softmax(logits / T) as argmax(logits + T * Gumbel), in float64 (ML-GSAI/LLaDA
     `add_gumbel_noise`; low-precision noise lowers the effective temperature). T = 0 is plain argmax and
-    draws no random numbers."""
-    if temperature == 0:
+    draws no random numbers (per row, where rows have their own temperatures)."""
+    if not isinstance(temperature, Tensor) and temperature == 0:
         return logits.argmax(-1)
+    generators = [g if t else None for g, t in zip(generators, row_values(temperature, len(generators)))]
     u = uniform(logits.shape, generators, logits.device)
     gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
-    return (logits.double() + temperature * gumbel).argmax(-1)
+    return (logits.double() + per_row(temperature, gumbel) * gumbel).argmax(-1)
 
 
 def token_probability(logits: Tensor, tokens: Tensor) -> Tensor:

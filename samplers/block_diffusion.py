@@ -8,14 +8,15 @@ import torch
 from dllm.core.params import param
 
 from . import register
-from .base import CausalFirst, Commit, Sampler, StepContext, gumbel_argmax, quota, token_probability, top_k_per_row
+from .base import (CausalFirst, Commit, Sampler, StepContext, gumbel_argmax, per_row, quota, tempered,
+                   token_probability, top_k_per_row)
 from .fastdllm import threshold_commit
 
 
-def sampled_probability(logits, tokens, temperature: float):
+def sampled_probability(logits, tokens, temperature):
     """Probability of the sampled `tokens` under the distribution they were drawn from, softmax(logits / T),
     as the confidence of SDAR's and Fast-dLLM v2's samplers (the plain softmax at T = 0)."""
-    return token_probability(logits / temperature if temperature else logits, tokens)
+    return token_probability(tempered(logits, temperature), tokens)
 
 
 @register("low_confidence_dynamic")
@@ -35,7 +36,7 @@ class LowConfidenceDynamic(Sampler):
         confidence = sampled_probability(ctx.logits, tokens, self.temperature)
         size, eligible = ctx.block_end - ctx.block_start, ctx.eligible
         scheduled = size // ctx.steps + int(ctx.step < size % ctx.steps) if ctx.step < ctx.steps else size
-        above = eligible & (confidence > self.threshold)
+        above = eligible & (confidence > per_row(self.threshold, confidence))
         count = torch.full_like(eligible[:, 0], max(scheduled, 1), dtype=torch.long)  # >= 1: the loop's rule
         enough = above.sum(1) >= count
         mask = torch.where(enough[:, None], above, top_k_per_row(confidence, eligible, count))
@@ -70,7 +71,7 @@ class EntropyBounded(Sampler):
         logp = ctx.logits.float().log_softmax(-1)
         entropy = -(logp.exp() * logp).nan_to_num().sum(-1)  # 0 * -inf counts 0
         ranked = entropy.masked_fill(~ctx.eligible, float("inf")).sort(dim=1).values
-        count = (ranked.cumsum(1) < self.bound).sum(1).clamp(min=1)
+        count = (ranked.cumsum(1) < per_row(self.bound, ranked)).sum(1).clamp(min=1)
         return Commit(top_k_per_row(-entropy, ctx.eligible, count), tokens, token_probability(ctx.logits, tokens))
 
 
@@ -94,7 +95,8 @@ class SubBlock(Sampler):
         confidence = sampled_probability(ctx.logits, tokens, self.temperature)
         offset = ctx.positions - ctx.block_start  # [C]
         first = torch.where(ctx.eligible, offset, offset.max() + 1).amin(1, keepdim=True)  # leftmost mask
-        current = ctx.eligible & (offset // self.sub_block == first // self.sub_block)
+        size = per_row(self.sub_block, first)
+        current = ctx.eligible & (offset // size == first // size)
         mask = threshold_commit(confidence, current, self.threshold, strict=True)  # strictly above, as v2
         if self.first_token and ctx.step == 0:  # a block that starts with a mask (not one shared with the prompt)
             mask = torch.where(first == 0, ctx.eligible & (offset == first), mask)
@@ -125,10 +127,10 @@ class JointThreshold(Sampler):
             state.edit_steps = torch.zeros_like(ctx.eligible[:, 0], dtype=torch.long)  # steps without masks
             state.done = torch.zeros_like(ctx.eligible[:, 0])  # rows whose block has ended
         state.edit_steps += ~ctx.eligible.any(1) & ~state.done
-        commit = ctx.eligible & ((confidence > self.threshold) | top_k_per_row(
+        commit = ctx.eligible & ((confidence > per_row(self.threshold, confidence)) | top_k_per_row(
             confidence, ctx.eligible, torch.ones_like(state.edit_steps)))
-        edit = ctx.editable & ~state.done[:, None] & (confidence > self.edit_threshold)
+        edit = ctx.editable & ~state.done[:, None] & (confidence > per_row(self.edit_threshold, confidence))
         edit &= tokens != ctx.canvas[:, ctx.positions]
-        again = (commit.any(1) | edit.any(1)) & (state.edit_steps < self.edit_steps)
+        again = (commit.any(1) | edit.any(1)) & (state.edit_steps < per_row(self.edit_steps, state.edit_steps))
         state.done |= ~again & ~(ctx.eligible & ~commit).any(1)
         return Commit(commit, tokens, confidence, edit=edit, again=again)

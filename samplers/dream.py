@@ -9,6 +9,7 @@ and the trajectories part from there. MASK is never proposed (see `samplers.base
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import ClassVar
 
 import torch
@@ -17,7 +18,8 @@ from torch import Tensor
 from dllm.core.params import param
 
 from . import register
-from .base import Commit, Sampler, StepContext, top_k_per_row, uniform
+from .base import (Commit, Sampler, StepContext, each_value, per_row, row_values, tempered, top_k_per_row,
+                   uniform)
 
 
 @dataclass
@@ -27,19 +29,10 @@ class _DreamSampler(Sampler):
     eps: float = param(1e-3, "terminal time of the grid linspace(1, eps, steps + 1)", gt=0.0, lt=1.0)
 
     def truncated(self, logits: Tensor) -> Tensor:
-        """The tempered logits (float64) with the tokens outside top-p / top-k at -inf."""
-        logits = logits.double()
-        if self.temperature > 0:
-            logits = logits / self.temperature
-        if self.top_p is not None and self.top_p < 1:
-            sorted_logits, order = logits.sort(dim=-1, descending=True)
-            mass_before = sorted_logits.softmax(-1).cumsum(-1) - sorted_logits.softmax(-1)
-            drop = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, order, mass_before > self.top_p)
-            logits = logits.masked_fill(drop, float("-inf"))
-        if self.top_k is not None:
-            kth = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        return logits
+        """The tempered logits (float64) with the tokens outside top-p / top-k at -inf (per row where rows have
+        their own)."""
+        logits = each_value(self.top_p, partial(keep_top_p, tempered(logits.double(), self.temperature)))
+        return each_value(self.top_k, partial(keep_top_k, logits))
 
     def log_distribution(self, logits: Tensor) -> Tensor:
         """The tempered, truncated distribution the tokens are drawn from (its argmax at T = 0)."""
@@ -48,20 +41,43 @@ class _DreamSampler(Sampler):
     def propose(self, ctx: StepContext) -> tuple[Tensor, Tensor]:
         """Return (tokens, probabilities) from the tempered, truncated distribution."""
         probs = self.truncated(ctx.logits).softmax(-1)
-        if self.temperature > 0:
-            tokens = torch.stack([p.argmax(-1) if g is None else torch.multinomial(p, 1, generator=g)[:, 0]
-                                  for p, g in zip(probs, ctx.generators)])
-        else:
-            tokens = probs.argmax(-1)
+        temperatures = row_values(self.temperature, len(probs))
+        if not any(temperatures):
+            return probs.argmax(-1), probs
+        tokens = torch.stack([torch.multinomial(p, 1, generator=g)[:, 0] if t and g is not None else p.argmax(-1)
+                              for p, g, t in zip(probs, ctx.generators, temperatures)])
         return tokens, probs
+
+    def unmasked_fraction(self, ctx: StepContext, like: Tensor):
+        """1 - s/t on the time grid linspace(1, eps, steps + 1): the share of masks this step unmasks."""
+        eps = per_row(self.eps, like)
+        t = 1 + ctx.step * (eps - 1) / ctx.steps
+        s = 1 + (ctx.step + 1) * (eps - 1) / ctx.steps
+        return 1 - s / t
 
     def count(self, ctx: StepContext) -> Tensor:
         left = ctx.eligible.sum(1)
         if ctx.step >= ctx.steps - 1:
             return left
-        t = 1 + ctx.step * (self.eps - 1) / ctx.steps
-        s = 1 + (ctx.step + 1) * (self.eps - 1) / ctx.steps
-        return torch.floor(left.double() * (1 - s / t)).long().clamp(min=1)
+        return torch.floor(left.double() * self.unmasked_fraction(ctx, left.double())).long().clamp(min=1)
+
+
+def keep_top_p(logits: Tensor, top_p: float | None) -> Tensor:
+    """Nucleus truncation: drop the tokens after the first ones whose mass reaches top_p (None or 1: none)."""
+    if top_p is None or top_p >= 1:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    mass_before = sorted_logits.softmax(-1).cumsum(-1) - sorted_logits.softmax(-1)
+    drop = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, order, mass_before > top_p)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def keep_top_k(logits: Tensor, top_k: float | None) -> Tensor:
+    """Keep the top_k most likely tokens (None: all)."""
+    if top_k is None:
+        return logits
+    kth = logits.topk(min(int(top_k), logits.shape[-1]), dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
 
 
 @dataclass
@@ -76,12 +92,14 @@ class _ConfidenceOrder(_DreamSampler):
         tokens, probs = self.propose(ctx)
         confidence = self.confidence(tokens, probs)
         count = self.count(ctx)
-        if not self.alg_temp:
-            return Commit(top_k_per_row(confidence, ctx.eligible, count), tokens, confidence)
-        weights = torch.softmax((confidence / self.alg_temp).masked_fill(~ctx.eligible, float("-inf")), dim=1)
-        mask = torch.zeros_like(ctx.eligible)
-        for row in range(mask.shape[0]):
+        mask = top_k_per_row(confidence, ctx.eligible, count)
+        alg_temps = row_values(self.alg_temp, len(mask))
+        if not any(alg_temps):
+            return Commit(mask, tokens, confidence)
+        weights = torch.softmax(tempered(confidence, self.alg_temp).masked_fill(~ctx.eligible, float("-inf")), dim=1)
+        for row in (row for row, alg_temp in enumerate(alg_temps) if alg_temp):  # sampled positions
             k = int(min(count[row], ctx.eligible[row].sum()))
+            mask[row] = False
             if k:
                 mask[row, torch.multinomial(weights[row], k, generator=ctx.generators[row])] = True
         return Commit(mask, tokens, confidence)
@@ -127,7 +145,5 @@ class Origin(_DreamSampler):
         tokens, probs = self.propose(ctx)
         if ctx.step >= ctx.steps - 1:
             return Commit(ctx.eligible.clone(), tokens, probs.amax(-1))
-        t = 1 + ctx.step * (self.eps - 1) / ctx.steps
-        s = 1 + (ctx.step + 1) * (self.eps - 1) / ctx.steps
         draw = uniform(ctx.eligible.shape, ctx.generators, ctx.logits.device)
-        return Commit(ctx.eligible & (draw < 1 - s / t), tokens, probs.amax(-1))
+        return Commit(ctx.eligible & (draw < self.unmasked_fraction(ctx, draw)), tokens, probs.amax(-1))

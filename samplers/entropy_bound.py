@@ -22,7 +22,7 @@ from dllm.core.errors import DllmError
 from dllm.core.params import param
 
 from . import register
-from .base import Commit, Sampler, StepContext
+from .base import Commit, Sampler, StepContext, per_row
 
 
 @register("entropy_bound")
@@ -77,10 +77,13 @@ class EntropyBound(Sampler):
         return Commit(commit, out.argmax, out.confidence, draft=out.canvas)
 
 
-def temperature(steps_left: int, steps: int, t_min: float, t_max: float) -> Tensor:
+def temperature(steps_left: int, steps: int, t_min: float, t_max: float, like: Tensor | None = None) -> Tensor:
     """The schedule's temperature with `steps_left` of `steps` steps to go (N at the first step, 1 at the last),
-    computed in float32 as transformers does (so scaled logits match it bit for bit)."""
-    return t_min + (t_max - t_min) * (torch.tensor(steps_left, dtype=torch.int32) / steps)
+    computed in float32 as transformers does (so scaled logits match it bit for bit); per-row bounds (`stack_rows`)
+    give one per row, shaped for `like` (`[B, ...]` float32)."""
+    ratio = torch.tensor(steps_left, dtype=torch.int32) / steps
+    like = ratio if like is None else like
+    return per_row(t_min, like) + per_row(t_max - t_min, like) * ratio
 
 
 def token_entropy(logits: Tensor) -> Tensor:
@@ -93,20 +96,29 @@ def low_entropy_keep(entropy: Tensor, bound: float) -> Tensor:
     """`[B, C]` bool: the positions kept, the lowest-entropy first while the sum of their entropies minus the
     largest of them stays within `bound` (so the lowest one always; ties in entropy: torch's sort order)."""
     ranked, order = entropy.sort(dim=-1)
-    kept = ranked.cumsum(-1) - ranked <= bound
+    kept = ranked.cumsum(-1) - ranked <= per_row(bound, ranked)
     return torch.zeros_like(kept).scatter(-1, order, kept)
 
 
-def new_history(stability: int, argmax: Tensor) -> Tensor:
-    """The stop rule's memory at a canvas's start: `stability` argmax canvases that match nothing (-1)."""
-    return argmax.new_full((stability, *argmax.shape), -1)
+def new_history(stability: int | Tensor, argmax: Tensor) -> Tensor:
+    """The stop rule's memory at a canvas's start: `stability` argmax canvases that match nothing (-1); per-row
+    stabilities (`stack_rows`): as many as the largest."""
+    depth = int(stability.max()) if isinstance(stability, Tensor) else stability
+    return argmax.new_full((depth, *argmax.shape), -1)
 
 
-def stops(argmax: Tensor, history: Tensor, entropy: Tensor, confidence: float) -> tuple[Tensor, Tensor]:
-    """`[B]` rows whose canvas stops (argmax equal to every canvas in `history` `[k, B, C]`, mean entropy below
-    `confidence`), and the history with `argmax` appended (the oldest dropped)."""
-    stable = (history == argmax).all(-1).all(0)
-    return stable & (entropy.mean(-1) < confidence), torch.cat((history, argmax[None]))[1:]
+def stops(argmax: Tensor, history: Tensor, entropy: Tensor, confidence: float | Tensor,
+          stability: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """`[B]` rows whose canvas stops (argmax equal to every canvas in `history` `[k, B, C]`, or to the last
+    `stability[b]` of them for per-row stabilities; mean entropy below `confidence`), and the history with `argmax`
+    appended (the oldest dropped)."""
+    same = history == argmax
+    if isinstance(stability, Tensor):  # a canvas `age` steps back counts for rows that look that far back
+        age = torch.arange(len(history), 0, -1, device=argmax.device)
+        same |= (age[:, None] > stability.to(argmax.device))[..., None]
+    mean = entropy.mean(-1)
+    stop = same.all(-1).all(0) & (mean < per_row(confidence, mean))
+    return stop, torch.cat((history, argmax[None]))[1:]
 
 
 @dataclass
@@ -136,7 +148,8 @@ def entropy_bound_step(logits: Tensor, canvas: Tensor, history: Tensor, steps_le
     `steps` to go. Row b draws from `generators[b]`: its samples (one multinomial draw per position) then its fresh
     tokens, the order of transformers' `generate` for one row; a None row (stopped) draws nothing and keeps its
     canvas."""
-    scaled = logits.float() / temperature(steps_left, steps, rule.t_min, rule.t_max).to(logits.device)
+    scaled = logits.float()
+    scaled = scaled / temperature(steps_left, steps, rule.t_min, rule.t_max, scaled).to(logits.device)
     entropy = token_entropy(scaled)
     argmax = scaled.argmax(-1)
     probs = scaled.softmax(-1)
@@ -150,5 +163,5 @@ def entropy_bound_step(logits: Tensor, canvas: Tensor, history: Tensor, steps_le
         sample = torch.multinomial(probs[b], 1, generator=g)[:, 0]
         noise = torch.randint(0, probs.shape[-1], sample.shape, generator=g, device=sample.device)
         rows.append(torch.where(keep[b], sample, noise))
-    stop, history = stops(argmax, history, entropy, rule.confidence)
+    stop, history = stops(argmax, history, entropy, rule.confidence, rule.stability)
     return CanvasStep(torch.stack(rows), argmax, confidence, keep, stop, scaled, history)

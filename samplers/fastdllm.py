@@ -8,12 +8,14 @@ import torch
 from dllm.core.params import param
 
 from . import register
-from .base import (CausalFirst, Commit, Sampler, StepContext, gumbel_argmax, most_confident, token_probability,
-                   top_k_per_row)
+from .base import (CausalFirst, Commit, Sampler, StepContext, gumbel_argmax, most_confident, per_row,
+                   token_probability, top_k_per_row)
 
 
-def threshold_commit(confidence, eligible, threshold: float, strict: bool = False):
-    """Every eligible position with confidence >= threshold (> with `strict`), and always the most confident one."""
+def threshold_commit(confidence, eligible, threshold, strict: bool = False):
+    """Every eligible position with confidence >= threshold (> with `strict`; a number or per-row values), and
+    always the most confident one."""
+    threshold = per_row(threshold, confidence)
     return most_confident(confidence, eligible) | (eligible & (confidence > threshold if strict else confidence >= threshold))
 
 
@@ -36,7 +38,7 @@ class Threshold(CausalFirst):
         return Commit(threshold_commit(confidence, ctx.eligible, self.threshold), tokens, confidence)
 
 
-def factor_count(ranked, left, factor: float, compat: bool = False):
+def factor_count(ranked, left, factor, compat: bool = False):
     """How many of the top ranks the factor rule commits. `ranked`: [B, C] eligible confidences sorted
     descending (-inf past the `left` [B] eligible ones).
 
@@ -45,9 +47,10 @@ def factor_count(ranked, left, factor: float, compat: bool = False):
     regardless. `compat` reproduces NVlabs/Fast-dLLM `get_transfer_index_dynamic`: it commits the ranks before
     the first one under its bar (rank 1's bar is -1: it never fails), all N when none fails, and also all N when
     the first failure is the last rank N (the reference bumps its loop index there). So where the default
-    commits N - 1 of N, compat commits N (with 2 masks left, always both); otherwise they agree."""
+    commits N - 1 of N, compat commits N (with 2 masks left, always both); otherwise they agree. f/(n+1) is
+    f * (1/(n+1)), as torch divides a number by a tensor, so that per-row factors round as a number does."""
     n = torch.arange(1, ranked.shape[1] + 1, device=ranked.device, dtype=torch.float64)
-    count = (ranked >= 1 - factor / (n + 1)).sum(1).clamp(min=1)
+    count = (ranked >= 1 - per_row(factor, ranked) * (n + 1).reciprocal()).sum(1).clamp(min=1)
     if compat:
         count = torch.where(count == left - 1, left, count)
     return torch.minimum(count, left)

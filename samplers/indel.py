@@ -16,7 +16,7 @@ from torch import Tensor
 from dllm.core.params import param
 
 from . import register
-from .base import Commit, Sampler, StepContext, gumbel_argmax, token_probability, top_k_per_row
+from .base import Commit, Sampler, StepContext, gumbel_argmax, per_row, token_probability, top_k_per_row
 
 
 @register("joint_threshold_indel")
@@ -69,15 +69,15 @@ class JointThresholdInDel(Sampler):
         state.updates += active
         state.after_masks += active & (originals == 0)
         width = masks.shape[1]
-        cleanup = active & ((state.after_masks > self.max_post_edit_steps) |
-                            (state.updates > width + self.max_post_edit_steps))
+        post_edit_steps = per_row(self.max_post_edit_steps, state.updates)
+        cleanup = active & ((state.after_masks > post_edit_steps) | (state.updates > width + post_edit_steps))
 
-        high = masks & (confidence > self.threshold)
+        high = masks & (confidence > per_row(self.threshold, confidence))
         need = 1 + new_masks
         most = top_k_per_row(confidence, masks, torch.minimum(need, masks.sum(1)))
         m2t = torch.where(((originals == 0) | cleanup)[:, None], masks,
                           torch.where((high.sum(1) >= need)[:, None], high, most))
-        t2t = ctx.editable & (confidence > self.edit_threshold) & (tokens != old)
+        t2t = ctx.editable & (confidence > per_row(self.edit_threshold, confidence)) & (tokens != old)
         write = (m2t | t2t) & active[:, None]
         scrub = write & cleanup[:, None] & ((tokens == delete) | (tokens == split))  # cleanup writes no edit token
         if scrub.any():

@@ -14,7 +14,7 @@ from dllm.core.errors import DllmError
 from dllm.core.params import param
 
 from . import SAMPLERS, register
-from .base import Commit, Sampler, StepContext, gumbel_argmax, token_probability
+from .base import Commit, Sampler, StepContext, each_value, gumbel_argmax, per_row, row_values, token_probability
 from .fastdllm import threshold_commit
 
 DELIMITER_THRESHOLD = {"llada": 0.3, "dream": 0.5}  # AdaBlock's tau_D per model family
@@ -35,7 +35,7 @@ class Credit(Sampler):
     def step(self, ctx: StepContext) -> Commit:
         logits = ctx.logits.double()
         top_p, top_token = torch.softmax(logits, -1).max(-1)
-        alpha, beta, gamma = self.alpha, self.beta, self.gamma
+        alpha, beta, gamma = per_row(self.alpha, logits), per_row(self.beta, logits), self.gamma
         if self.tuning_free:
             masked_fraction = ctx.eligible.sum(1, keepdim=True).double() / ctx.eligible.shape[1]
             alpha = beta = (1 - masked_fraction)[..., None]
@@ -45,7 +45,8 @@ class Credit(Sampler):
             credit = ctx.state.credit = torch.zeros_like(logits)  # per block: reset
         else:
             credit *= beta
-        gain = torch.where(ctx.eligible, top_p ** gamma, 0.0)  # only masked positions of the block earn credit
+        earned = each_value(gamma, top_p.pow)  # a power rounds unlike a number's with a tensor exponent
+        gain = torch.where(ctx.eligible, earned, 0.0)  # only masked positions of the block earn credit
         credit.scatter_add_(-1, top_token[..., None], gain[..., None])
         fused = logits + alpha * torch.log1p(credit)
         tokens = gumbel_argmax(fused, self.temperature, ctx.generators)
@@ -66,9 +67,10 @@ class LocalLeap(Sampler):
     def step(self, ctx: StepContext) -> Commit:
         tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generators)
         confidence = token_probability(ctx.logits, tokens)
-        anchors = ctx.eligible & (confidence >= self.threshold)
-        near = F.max_pool1d(anchors[:, None].float(), 2 * self.radius + 1, stride=1, padding=self.radius)[:, 0] > 0
-        relaxed = ctx.eligible & near & (confidence >= self.relaxed_threshold)
+        anchors = ctx.eligible & (confidence >= per_row(self.threshold, confidence))
+        near = each_value(self.radius, lambda radius: F.max_pool1d(
+            anchors[:, None].float(), 2 * int(radius) + 1, stride=1, padding=int(radius))[:, 0] > 0)
+        relaxed = ctx.eligible & near & (confidence >= per_row(self.relaxed_threshold, confidence))
         return Commit(threshold_commit(confidence, ctx.eligible, self.threshold) | relaxed, tokens, confidence)
 
 
@@ -104,6 +106,7 @@ class Prophet(Sampler):
 
     block_local: ClassVar[bool] = False  # looks at the whole answer and counts forwards
     commits_past_block: ClassVar[bool] = True
+    batch_params: ClassVar[tuple[str, ...]] = ("answer_start", "answer_length")  # set the logits computed
 
     @property
     def reads_decoded_logits(self) -> bool:  # the gap averages the whole region, decoded or not
@@ -119,8 +122,9 @@ class Prophet(Sampler):
         return (start, end) if self.answer_start is None else (prompt_length, length)
 
     def phase_threshold(self, progress: Tensor) -> Tensor:
-        return torch.where(progress < self.early_bound, self.early_threshold,
-                           torch.where(progress < self.late_bound, self.mid_threshold, self.late_threshold))
+        early, mid, late, early_bound, late_bound = (per_row(v, progress) for v in (
+            self.early_threshold, self.mid_threshold, self.late_threshold, self.early_bound, self.late_bound))
+        return torch.where(progress < early_bound, early, torch.where(progress < late_bound, mid, late))
 
     def step(self, ctx: StepContext) -> Commit:
         if self.answer_start is None:
@@ -165,6 +169,7 @@ class AdaBlock(Sampler):
     window_fraction: float = param(0.25, "delimiter search window as a fraction of gen_length", gt=0.0, le=1.0)
     _ids: Tensor | None = field(default=None, init=False, repr=False)
     block_local: ClassVar[bool] = False  # its window is a fraction of the whole answer
+    batch_params: ClassVar[tuple[str, ...]] = ("window_fraction",)  # sets the logits computed
 
     def __post_init__(self):
         super().__post_init__()
@@ -210,8 +215,9 @@ class AdaBlock(Sampler):
         conf = token_probability(ctx.logits[:, window], tokens[:, window]).double()
         conf = torch.where(torch.isin(tokens[:, window], self._ids.to(tokens.device)), conf, -1.0)
         best_conf, best = conf.max(-1)  # first maximum: ties go to the lowest position
-        tau = DELIMITER_THRESHOLD[ctx.family] if self.delimiter_threshold is None else self.delimiter_threshold
-        ends = torch.where(best_conf >= tau, ctx.block_start + best + 1, ctx.block_end)
+        tau = torch.tensor([DELIMITER_THRESHOLD[ctx.family] if t is None else t  # None: the family's
+                            for t in row_values(self.delimiter_threshold, len(best))], dtype=best_conf.dtype)
+        ends = torch.where(best_conf >= tau.to(best_conf.device), ctx.block_start + best + 1, ctx.block_end)
         active = ctx.masked.any(1)
         return int(ends[active].min()) if active.any() else ctx.block_end
 

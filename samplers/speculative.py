@@ -17,7 +17,7 @@ from dllm.core.errors import DllmError
 from dllm.core.params import param
 
 from . import register
-from .base import Commit, Sampler, StepContext, token_probability, top_k_per_row
+from .base import Commit, Sampler, StepContext, row_values, token_probability, top_k_per_row
 
 DRAFT_STEPS = {"llada": 4, "dream": 8}  # FreeDave's K per model family
 
@@ -51,8 +51,9 @@ class Speculative(Sampler):
     def step(self, ctx: StepContext) -> Commit:
         first, tokens, confidence = stepwise_choice(ctx.logits, ctx.eligible)
         masks_left = int(ctx.eligible.sum(1).max())
+        own = [int(k or DRAFT_STEPS[ctx.family]) for k in row_values(self.draft_steps, len(first))]  # each row's K
         # a draft that fills the block needs no forward of its own
-        n = min(self.draft_steps or DRAFT_STEPS[ctx.family], masks_left - 1)
+        n = min(max(own), masks_left - 1)
         if n < 1 or ctx.forward is None:
             return Commit(first, tokens, confidence)
         # draft k commits the top k+1 positions of this forward's ranking
@@ -70,4 +71,5 @@ class Speculative(Sampler):
         targets = torch.where(nxt, nxt_tokens, drafts)
         right = (drafts[:, 1:] == targets[:, :-1]).all(-1)  # [B, n-1]
         best = right.long().cumprod(1).sum(1)  # length of the right chain after d_0, which is always right
+        best = best.clamp(max=torch.tensor(own, device=best.device) - 1)  # at most a row's own K drafts
         return Commit(fill[torch.arange(len(best)), best], tokens, confidence, verified=best)

@@ -53,13 +53,15 @@ def tiny_llada():
 
 @pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
 def test_compiled_decoding_gives_the_eager_tokens(tiny_llada, cache):
-    """Inductor-compiled, on the shipped model, a padded batch: the same tokens and forwards as eager."""
+    """Inductor-compiled, on the shipped model, a padded batch: the same tokens and forwards as eager (which leaves
+    a row with nothing left to decode in a block out of the forward; compiled keeps the batch's shape)."""
     model, tok = tiny_llada
     prompts = ["reverse: hello123", "copy: ab"]
     want = dllm.generate(model, tok, prompts, "threshold", cache, stop_early=False)
     got = dllm.generate(model, tok, prompts, "threshold", cache, stop_early=False, compile=True)
     assert torch.equal(got.sequences, want.sequences)
-    assert got.stats.nfe == want.stats.nfe and got.stats.rows_per_layer == want.stats.rows_per_layer
+    assert got.stats.nfe == want.stats.nfe
+    assert all(a >= b for a, b in zip(got.stats.rows_per_layer, want.stats.rows_per_layer))
 
 
 @pytest.mark.parametrize("cache", ["dkv", "elastic"])

@@ -6,6 +6,7 @@ strings (CLI `KEY=VALUE`) are converted by the field's type, and every bad value
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 import typing
@@ -22,12 +23,28 @@ def param(default: Any, doc: str, *, ge: float | None = None, le: float | None =
                                                             allow_inf=allow_inf))
 
 
+def _options(hint: Any) -> tuple:
+    """The types an annotation allows (`float | None` -> float, NoneType)."""
+    union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+    return typing.get_args(hint) if union else (hint,)
+
+
+@functools.cache
+def type_hints(cls: type) -> dict[str, Any]:
+    """`typing.get_type_hints(cls)`, read once per class (it evaluates every annotation: a millisecond a call)."""
+    return typing.get_type_hints(cls)
+
+
+def is_numeric(hint: Any) -> bool:
+    """An int or float parameter (possibly None); a bool is not a number here."""
+    return bool({int, float} & set(_options(hint)))
+
+
 def _convert(value: Any, hint: Any, where: str) -> Any:
     """Convert `value` to the annotated type (`float`, `int`, `bool`, `str`, or `X | None`). Strings (CLI
     `KEY=VALUE`) are parsed; a bool is never taken as a number, nor a number other than 0/1 as a bool, nor NaN
     as a float."""
-    options = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union \
-        else (hint,)
+    options = _options(hint)
     if value is None or (isinstance(value, str) and value.lower() == "none"):
         if type(None) in options:
             return None
@@ -73,7 +90,7 @@ class Params:
     name: ClassVar[str] = ""
 
     def __post_init__(self) -> None:
-        hints = typing.get_type_hints(type(self))
+        hints = type_hints(type(self))
         for f in _params(self):
             where = f"{self.kind} {self.name!r} parameter {f.name}"
             value = _convert(getattr(self, f.name), hints[f.name], where)
@@ -95,7 +112,7 @@ class Params:
 
     @classmethod
     def describe(cls) -> dict[str, Any]:
-        hints = typing.get_type_hints(cls)
+        hints = type_hints(cls)
         doc = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())  # the first paragraph, whole
         return {"name": cls.name, "doc": doc, "params": [
             {"name": f.name, "type": str(hints[f.name]).replace("<class '", "").replace("'>", ""),

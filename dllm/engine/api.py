@@ -149,4 +149,4 @@ def stream(model: DiffusionLM, tokenizer, prompt, sampler: str | Sampler | None 
     batch = Batch(model, sampler, cache, lengths["block_length"], steps_per_block, stop_early, trace,
                   callback=callback, compile=compile)
     return Stream(tokenizer, batch, batch.add(ids[0], lengths["gen_length"], seed[0] if isinstance(seed, list)
-                                              else seed, logprobs))
+                                              else seed, logprobs=logprobs))

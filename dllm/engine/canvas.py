@@ -2,6 +2,7 @@
 are not yet committed, and the rule that says when a row has finished."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -89,6 +90,14 @@ class Canvas:
         uncommitted = None if cfg.mask_id is not None else answer & (column >= left)
         return cls(tokens.to(device), positions.to(device), key_mask, int(gen_start.min()), gen_start, gen_end, answer,
                    torch.tensor(cfg.stop_ids, device=device), cfg.mask_id, uncommitted)
+
+    def take_rows(self, index: Tensor) -> "Canvas":
+        """The canvas of the batch rows `index` alone (copies)."""
+        return dataclasses.replace(self, tokens=self.tokens[index], positions=self.positions[index],
+                                   key_mask=None if self.key_mask is None else self.key_mask[index],
+                                   gen_start=self.gen_start[index], gen_end=self.gen_end[index],
+                                   answer=self.answer[index],
+                                   uncommitted=None if self.uncommitted is None else self.uncommitted[index])
 
     def finish_rows(self, finished: Tensor, cfg) -> Tensor:
         """Mark rows whose answer is complete (its first committed stop token comes before its first position not

@@ -27,14 +27,15 @@ if TYPE_CHECKING:
 
 @dataclass(eq=False)  # a row is itself: compared and hashed by identity
 class Row:
-    """One prompt in a `Batch`: its tokens (prompt, then its answer canvas) and its own random stream, so its
-    tokens never depend on the rows beside it."""
+    """One prompt in a `Batch`: its tokens (prompt, then its answer canvas), its own random stream and its own
+    sampler settings, so its tokens never depend on the rows beside it."""
 
     prompt: list[int]
     gen_length: int  # answer positions
     origin: int  # where its first block starts: the answer (len(prompt)), or on a block-causal model the
     # attention block the prompt ends in, so that decoded blocks are the model's blocks (SDAR's layout)
     generator: torch.Generator
+    sampler: Sampler  # the batch's sampler, or one that differs from it only in per-row parameters
     tokens: Tensor  # [len(prompt) + gen_length] as of the last layout
     decoded: int = 0  # positions from `origin` before the current block (whole blocks), as of the last layout
     finished: bool = False  # a stop token committed with nothing uncommitted before it
@@ -48,7 +49,8 @@ class Batch:
     (continuous batching), which re-lays the canvas out so that every row's current block sits at the same
     columns: `[pad | prompt | decoded blocks | current block | later blocks | pad]`. That is exact when the cache
     recomputes every row at a block start (`Cache.block_fresh`) and the sampler looks only at the current block
-    (`Sampler.block_local`); `joins_between_blocks` says so.
+    (`Sampler.block_local`); `joins_between_blocks` says so. A row may bring its own values of the sampler's per-row
+    parameters (`add(..., sampler=...)`); the steps see them stacked into `[B]` tensors (`samplers.stack_rows`).
 
     `profile` times every forward into `stats.forward_seconds`; `callback` is called after every step with
     `{"block", "step", "committed"}`; `compile` runs the model compiled (`compiled_run`; caches none, prefix, dual).
@@ -78,9 +80,17 @@ class Batch:
         self._saved = True  # the rows hold what the canvas holds
         self.block = 0  # blocks run
 
-    def add(self, prompt: list[int], gen_length: int, seed: int = 0, logprobs: int | None = None) -> Row:
-        """A row for `prompt` with `gen_length` answer tokens (whole blocks), decoded from the next block on;
+    def add(self, prompt: list[int], gen_length: int, seed: int = 0, sampler: Sampler | None = None,
+            logprobs: int | None = None) -> Row:
+        """A row for `prompt` with `gen_length` answer tokens (whole blocks), decoded from the next block on, with
+        `sampler`'s settings (default: the batch's): the batch's sampler class with other values of its per-row
+        parameters (`Sampler.row_params`: temperature, thresholds, ...), stacked into `[B]` tensors per layout;
         `logprobs=k` captures each token's log-probability with k alternatives (`Batch.logprobs`)."""
+        sampler = self.sampler if sampler is None else sampler
+        if sampler is not self.sampler and sampler.batch_key() != self.sampler.batch_key():
+            raise DllmError(f"a row's sampler {sampler.name!r} {sampler.batch_key()[1:]} differs from the batch's "
+                            f"{self.sampler.name!r} {self.sampler.batch_key()[1:]} in more than its per-row "
+                            f"parameters ({', '.join(self.sampler.row_params()) or 'none'}); decode it in another batch")
         logprobs = check_logprobs(logprobs, self.sampler)
         if self.rows and not self.joins_between_blocks and self.block:
             raise DllmError(f"sampler {self.sampler.name!r} with cache {self.cache.name!r} cannot take rows into a "
@@ -95,8 +105,8 @@ class Batch:
             origin = len(prompt) // size * size
             gen_length = -(-(len(prompt) + gen_length) // size) * size - len(prompt)
         tokens = torch.tensor(list(prompt) + [model.config.placeholder_id] * gen_length, dtype=torch.long)
-        row = Row(list(prompt), gen_length, origin, torch.Generator(device=model.device).manual_seed(seed), tokens,
-                  logprobs=logprobs)
+        row = Row(list(prompt), gen_length, origin, torch.Generator(device=model.device).manual_seed(seed), sampler,
+                  tokens, logprobs=logprobs)
         self._save()
         self.rows.append(row)
         self.canvas = None
@@ -179,6 +189,7 @@ class Batch:
         self.stats.batch = max(self.stats.batch, len(rows))
         self.state = SimpleNamespace()  # the sampler's per-run state
         self.generators = [row.generator for row in rows]
+        self.stacked = samplers_mod.stack_rows([row.sampler for row in rows])  # the rows' settings, for the steps
         self._set_finished(torch.tensor([row.finished for row in rows], dtype=torch.bool, device=model.device))
         self.window = None  # (lo, hi, start, end), positions, in the block: of the last step (`_window`)
         self.never = torch.zeros((), dtype=torch.bool, device=model.device)  # the stall check of a sampler that may
@@ -223,12 +234,12 @@ class Batch:
         while any(open_now):
             counted = list(self.runner.kv.rows_per_layer) if self.trace is not None else None
             lo, hi, rows = self._plan(step, start, end)
-            logits = reused[1] if reused is not None and reused[0] == (lo, hi) else self.runner.forward(
-                lo, hi, rows, inputs=self.sampler.model_inputs(self.state, step), block=(start, end))
+            logits = reused[1] if reused is not None and reused[0] == (lo, hi) else self._forward(
+                lo, hi, rows, open_now, step, (start, end))
             ctx = self._context(logits, step, start, end, lo, hi, open_now)
             if step == 0:  # the block-start forward may move the block end (AdaBlock)
                 end = self._move_block_end(ctx)
-            out = self.sampler.step(ctx)
+            out = self.stacked.step(ctx)
             commit, checks, reused = self._write(ctx, out, lo, hi)
             committed += commit.sum()
             self._after_step(ctx, out, commit, counted)
@@ -264,7 +275,7 @@ class Batch:
 
     def _plan(self, step: int, start: int, end: int) -> tuple[int, int, Rows]:
         """The candidate window `[lo, hi)` of a step and the rows the cache computes for it."""
-        canvas, cfg, sampler = self.canvas, self.model.config, self.sampler
+        canvas, cfg, sampler = self.canvas, self.model.config, self.stacked
         lo, hi = sampler.logit_window(canvas.prompt_length, canvas.tokens.shape[1], start, end, step)
         lo, hi = min(lo, start), max(hi, end)
         masked, before = canvas.pending(), self.masked_at_plan
@@ -273,6 +284,16 @@ class Batch:
         return lo, hi, self.cache.plan(self.runner.kv, caches.PlanContext(
             canvas=canvas, masked=masked, masked_before=before, next_commits=next_commits, step=step, start=start,
             end=end, lo=lo, hi=hi, shift=cfg.logit_shift, family=self.family))
+
+    def _forward(self, lo: int, hi: int, rows: Rows, open_now: list[bool], step: int, block: tuple[int, int]
+                 ) -> Tensor:
+        """The step's logits. Rows with nothing left to decode in the block (finished, or done with the block while
+        others are not) are left out of the forward where the cache recomputes every row at the next block start;
+        their logits are zero, and the sampler commits nothing there."""
+        inputs = self.sampler.model_inputs(self.state, step)
+        if all(open_now) or not self.cache.block_fresh or self.compile or self.sampler.drafts:
+            return self.runner.forward(lo, hi, rows, inputs=inputs, block=block)
+        return self.runner.forward_open(lo, hi, rows, open_now, inputs, block)
 
     def _open_rows(self, start: int, end: int, again: Tensor | None = None) -> Tensor:
         """[B] rows with an uncommitted position left in the block, or (token editing) asking for another step."""
@@ -318,7 +339,7 @@ class Batch:
 
     def _move_block_end(self, ctx: samplers_mod.StepContext) -> int:
         """The block end the sampler chooses at the block's first step (AdaBlock); `ctx` follows it."""
-        end, length = self.sampler.block_end(ctx), self.canvas.tokens.shape[1]
+        end, length = self.stacked.block_end(ctx), self.canvas.tokens.shape[1]
         if not ctx.block_start < end <= length:
             raise DllmError(f"sampler {self.sampler.name!r} chose block end {end} outside ({ctx.block_start}, "
                             f"{length}]")
@@ -343,7 +364,7 @@ class Batch:
         written = commit if ctx.editable is None or out.edit is None else commit | (out.edit & ctx.editable)
         if self.captured is not None:  # the committed (and edited) tokens, not a renoised canvas's drafts
             drawn_from = ctx.logits if out.logits is None else out.logits
-            self.captured.write(written, lo, hi, self.sampler.log_distribution(drawn_from), out.tokens)
+            self.captured.write(written, lo, hi, self.stacked.log_distribution(drawn_from), out.tokens)
         new = out.tokens
         if out.draft is not None:  # positions that stay uncommitted take the draft (a uniform-state canvas renoised)
             written, new = ctx.masked, torch.where(commit, out.tokens, out.draft)
@@ -412,7 +433,7 @@ def decoded(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cach
     batch = Batch(model, sampler, cache, block_length, steps_per_block, stop_early, trace, profile, callback, compile,
                   prefix_cache)
     for ids, row_seed in zip(prompts, seed if isinstance(seed, list) else [seed] * len(prompts)):
-        batch.add(ids, gen_length, row_seed, logprobs)
+        batch.add(ids, gen_length, row_seed, logprobs=logprobs)
     while batch.running:
         batch.run_block()
     return batch

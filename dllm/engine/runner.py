@@ -2,6 +2,7 @@
 store, and the compiled forward (`torch.compile`, CUDA graphs on a GPU, stores lent at lasting addresses)."""
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -106,6 +107,23 @@ class Runner:
         if key not in self.slice_slots:
             self.slice_slots[key] = caches.row_slots(rows, lo, hi, 0, self.model.device).clamp(min=0).expand(batch, -1)
         return self.slice_slots[key]
+
+    def forward_open(self, lo: int, hi: int, rows: Rows, open_rows: list[bool], inputs: dict | None = None,
+                     block: tuple[int, int] | None = None) -> Tensor:
+        """`forward` of the batch rows `open_rows` alone, against a copy of their store rows (copied back after):
+        the rows with nothing left to decode in a block are left out, their logits zero (MASK -inf) and their store
+        rows as they were; only for caches that recompute every row at the next block start (`block_fresh`)."""
+        index = torch.tensor([b for b, keep in enumerate(open_rows) if keep], device=self.model.device)
+        part = copy.copy(self)
+        part.canvas = self.canvas.take_rows(index)
+        part.kv = self.kv.take_rows(index)
+        logits = part.forward(lo, hi, rows, inputs={k: v.index_select(0, index) for k, v in (inputs or {}).items()},
+                              block=block)
+        self.kv.put_rows(part.kv, index)
+        out = logits.new_zeros((len(open_rows), *logits.shape[1:]))
+        if self.model.config.mask_id is not None:
+            out[..., self.model.config.mask_id] = float("-inf")
+        return out.index_copy_(0, index, logits)
 
     def verify(self, drafts: Tensor, lo: int, hi: int, rows: Rows, block: tuple[int, int] | None = None) -> Tensor:
         """One forward over draft windows `[B, K, hi - lo]` on a fork of the store: the logits

@@ -2,6 +2,8 @@
 compared with its sequential one; a table and a plot."""
 from __future__ import annotations
 
+import json
+import statistics
 import time
 from typing import Any
 
@@ -15,11 +17,16 @@ from .scheduler import Engine
 
 def bench_serve(model, tokenizer, name: str, defaults: dict[str, Any], max_batch: int = 8, requests: int = 64,
                 concurrency: tuple[int, ...] = (1, 4, 16), compile: bool = False, seed: int = 0,
-                prefix_cache_mb: float = 0, system_prompt_tokens: int = 0) -> dict:
+                prefix_cache_mb: float = 0, system_prompt_tokens: int = 0, mix: dict[str, Any] | None = None,
+                repeats: int = 1) -> dict:
     """Throughput and latency of `requests` chat requests (synthetic tasks; with `system_prompt_tokens`, all after
     one shared system message of that length) at each client concurrency against a loopback server, and of the same
     prompts decoded one after another with `dllm.generate`; every served answer is compared with its sequential
-    one. `rows` counts the token rows the network computed per layer (what a prefix cache saves)."""
+    one. `rows` counts the token rows the network computed per layer (what a prefix cache saves). `mix`: body
+    fields every other request sends (e.g. {"threshold": 0.5}: half the requests at another threshold,
+    interleaved). `repeats`: rounds per concurrency, each a sequential pass then a served one, so that a shared
+    machine's changing load hits both alike; a level's speedup is the median of its rounds' ratios, its tokens/s
+    the median round's."""
     from ..engine import generate
     from ..eval.synthetic import FAMILIES, make_split
 
@@ -27,46 +34,67 @@ def bench_serve(model, tokenizer, name: str, defaults: dict[str, Any], max_batch
     engine = Engine(model, tokenizer, name, defaults, max_batch, compile, prefix_cache_mb)
     system = [{"role": "system", "content": system_prompt(tokenizer, system_prompt_tokens)}] if system_prompt_tokens \
         else []
-    bodies = [{"messages": [*system, {"role": "user", "content": p}]} for p in prompts]
-    ids = [engine.job(body, chat=True).ids for body in bodies]
-    job = engine.job(bodies[0], chat=True)  # the decoding every request gets
-    options = dict(sampler=job.sampler, cache=job.cache, **job.lengths, seed=job.seed, compile=compile)
-    generate(model, tokenizer, [ids[0]], **options)  # warm-up
-    began = time.perf_counter()
-    sequential = [generate(model, tokenizer, [prompt], **options) for prompt in ids]
-    seconds = time.perf_counter() - began
+    bodies = [{"messages": [*system, {"role": "user", "content": p}], **((mix or {}) if i % 2 else {})}
+              for i, p in enumerate(prompts)]
+    jobs = [engine.job(body, chat=True) for body in bodies]  # the decoding each request gets
+    options = [dict(sampler=job.sampler, cache=job.cache, **job.lengths, seed=job.seed, compile=compile)
+               for job in jobs]
+    generate(model, tokenizer, [jobs[0].ids], **options[0])  # warm-up
+    sequential = [generate(model, tokenizer, [job.ids], **o) for job, o in zip(jobs, options)]
     want = [g.texts[0] for g in sequential]
     tokens = sum(len(g.token_ids[0]) for g in sequential)
     layers = model.config.n_layers
-    rows = [{"concurrency": "sequential", "seconds": seconds, "requests_per_s": len(prompts) / seconds,
-             "tokens_per_s": tokens / seconds, "p50_s": None, "p99_s": None, "speedup": 1.0, "errors": 0,
-             "mismatches": 0, "rows": sum(sum(g.stats.rows_per_layer) for g in sequential) // layers}]
+
+    def sequential_seconds() -> float:
+        began = time.perf_counter()
+        for job, o in zip(jobs, options):
+            generate(model, tokenizer, [job.ids], **o)
+        return time.perf_counter() - began
+
+    alone, rows = [], []
     with LocalServer(engine) as local:
         post(local.url + "/v1/chat/completions", bodies[0])  # warm-up
         for level in concurrency:
-            computed = rows_computed(engine)
-            run = load(local.url + "/v1/chat/completions", bodies, level)
-            ok = [(answer, latency) for status, answer, latency in run["results"] if status == 200]
-            texts = [answer["choices"][0]["message"]["content"] if status == 200 else None
-                     for status, answer, _ in run["results"]]
-            served = sum(answer["usage"]["completion_tokens"] for answer, _ in ok)
-            latencies = sorted(latency for _, latency in ok) or [float("nan")]
-            rows.append({"concurrency": level, "seconds": run["seconds"],
-                         "requests_per_s": len(ok) / run["seconds"], "tokens_per_s": served / run["seconds"],
-                         "p50_s": latencies[len(latencies) // 2],
-                         "p99_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
-                         "speedup": served / run["seconds"] / (tokens / seconds),
-                         "errors": len(prompts) - len(ok),
-                         "mismatches": sum(t is not None and t != w for t, w in zip(texts, want)),
-                         "rows": (rows_computed(engine) - computed) // layers})
-    config = {"model": name, "sampler": job.sampler.name, "cache": job.cache.name, **job.lengths,
-              "max_batch": max_batch, "requests": len(prompts), "device": str(model.device),
-              "threads": torch.get_num_threads(), "threads_chosen_by": model.threads.get("chosen_by"),
-              "prefix_cache_mb": prefix_cache_mb,
-              "prompt_tokens": sum(map(len, ids)) / len(ids), "system_prompt_tokens": system_prompt_tokens}
+            rounds, computed = [], rows_computed(engine)
+            for _ in range(repeats):
+                alone.append(sequential_seconds())
+                rounds.append((alone[-1], load(local.url + "/v1/chat/completions", bodies, level)))
+            rows.append({**_served_row(level, rounds, want, tokens),
+                         "rows": (rows_computed(engine) - computed) // layers // repeats})
+    seconds = statistics.median(alone)
+    rows.insert(0, {"concurrency": "sequential", "seconds": seconds, "requests_per_s": len(prompts) / seconds,
+                    "tokens_per_s": tokens / seconds, "p50_s": None, "p99_s": None, "speedup": 1.0, "errors": 0,
+                    "mismatches": 0, "rows": sum(sum(g.stats.rows_per_layer) for g in sequential) // layers})
+    config = {"model": name, "sampler": jobs[0].sampler.name, "cache": jobs[0].cache.name, **jobs[0].lengths,
+              "mix": mix or {}, "max_batch": max_batch, "requests": len(prompts), "repeats": repeats,
+              "device": str(model.device), "threads": torch.get_num_threads(),
+              "threads_chosen_by": model.threads.get("chosen_by"), "prefix_cache_mb": prefix_cache_mb,
+              "prompt_tokens": sum(len(job.ids) for job in jobs) / len(jobs), "system_prompt_tokens": system_prompt_tokens}
     if engine.prefix is not None:
         config["prefix_cache_hit_tokens"] = engine.prefix.hits
     return {"config": config, "rows": rows}
+
+
+def _served_row(level: int, rounds: list[tuple[float, dict]], want: list[str], tokens: int) -> dict:
+    """One concurrency's row from its rounds (sequential seconds, served run): the median round's throughput, the
+    median of the rounds' speedups, latencies over all rounds, errors and differing answers summed."""
+    ratios, throughputs, latencies, errors, mismatches = [], [], [], 0, 0
+    for seconds, run in rounds:
+        ok = [(answer, latency) for status, answer, latency in run["results"] if status == 200]
+        texts = [answer["choices"][0]["message"]["content"] if status == 200 else None
+                 for status, answer, _ in run["results"]]
+        served = sum(answer["usage"]["completion_tokens"] for answer, _ in ok)
+        throughputs.append((served / run["seconds"], len(ok) / run["seconds"], run["seconds"]))
+        ratios.append(served / run["seconds"] / (tokens / seconds))
+        latencies += [latency for _, latency in ok]
+        errors += len(run["results"]) - len(ok)
+        mismatches += sum(t is not None and t != w for t, w in zip(texts, want))
+    tokens_per_s, requests_per_s, seconds = sorted(throughputs)[len(throughputs) // 2]
+    latencies = sorted(latencies) or [float("nan")]
+    return {"concurrency": level, "seconds": seconds, "requests_per_s": requests_per_s, "tokens_per_s": tokens_per_s,
+            "p50_s": latencies[len(latencies) // 2],
+            "p99_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+            "speedup": statistics.median(ratios), "errors": errors, "mismatches": mismatches}
 
 
 def rows_computed(engine: Engine) -> int:
@@ -87,9 +115,10 @@ def system_prompt(tokenizer, tokens: int) -> str:
 def format_bench(result: dict) -> str:
     c = result["config"]
     prefix = f" | prefix cache {c['prefix_cache_mb']:g} MiB" if c.get("prefix_cache_mb") else ""
-    lines = [f"{c['model']} {c['sampler']}/{c['cache']} gen {c['gen_length']} block {c['block_length']} | "
-             f"max batch {c['max_batch']} | {c['requests']} requests, prompts of {c['prompt_tokens']:.0f} tokens"
-             f"{prefix} | {c['device']}, {c['threads']} threads",
+    mix = f" | every other request with {json.dumps(c['mix'])}" if c.get("mix") else ""
+    lines = [f"{c['model']} {c['sampler']}/{c['cache']} gen {c['gen_length']} block {c['block_length']}{mix} | "
+             f"max batch {c['max_batch']} | {c['requests']} requests x {c.get('repeats', 1)} rounds, prompts of "
+             f"{c['prompt_tokens']:.0f} tokens{prefix} | {c['device']}, {c['threads']} threads",
              f"{'clients':>10} {'req/s':>7} {'tok/s':>8} {'p50 s':>7} {'p99 s':>7} {'speedup':>8} {'errors':>6} "
              f"{'differ':>6} {'rows':>8}"]
     for r in result["rows"]:

@@ -29,6 +29,18 @@ def create_app(engine: Engine):
     def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
         return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
+    def feed(job: Job, event: dict) -> None:
+        """An engine event, on the event loop: a block's ids become the job's text events (`Job.read`)."""
+        if job.complete:  # a stop string ended it; the engine's later blocks are not the answer's
+            return
+        events = [event] if event["kind"] == "error" else job.read(engine.tokenizer, event["ids"], event["done"],
+                                                                     event["reason"], event["logprobs"])
+        for e in events:
+            job.events.put_nowait(e)
+            if e["kind"] == "done":
+                engine.metrics.answered("chat" if job.chat else "completions", e["usage"],
+                                        time.perf_counter() - job.submitted)
+
     async def answer(request: Request, chat: bool):
         raw = await _read_body(request)
         if raw is None:
@@ -37,12 +49,15 @@ def create_app(engine: Engine):
             body = json.loads(raw or b"null")
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             return error(400, f"the request body is not valid JSON ({e}); send a JSON object")
-        try:
-            job = await asyncio.to_thread(engine.job, body, chat)  # tokenizing a long prompt: off the event loop
+        try:  # a long prompt is tokenized off the event loop; a short one costs less than the hop to a thread (but
+            # for a new AdaBlock configuration's vocabulary scan, once: prepared samplers are kept)
+            job = engine.job(body, chat) if len(raw) <= INLINE_BYTES else \
+                await asyncio.to_thread(engine.job, body, chat)
         except DllmError as e:
             engine.metrics.requests.labels("chat" if chat else "completions", "bad_request").inc()
             return error(400, str(e))
-        job.loop, job.events = asyncio.get_running_loop(), asyncio.Queue()
+        loop, job.events = asyncio.get_running_loop(), asyncio.Queue()
+        job.emit = lambda event: loop.call_soon_threadsafe(feed, job, event)
         try:
             engine.submit(job)
         except ShuttingDown as e:
@@ -64,8 +79,9 @@ def create_app(engine: Engine):
                     choice["message"] = {"role": "assistant", "content": event["text"]}
                 else:
                     choice["text"] = event["text"]
-                return {**base, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
-                        "usage": event["usage"]}
+                return Response(json.dumps({**base, "object": "chat.completion" if chat else "text_completion",
+                                            "choices": [choice], "usage": event["usage"]}),
+                                media_type="application/json")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -93,6 +109,8 @@ def create_app(engine: Engine):
 
 
 MAX_BODY_BYTES = 4 << 20  # far past any prompt a model's context holds
+
+INLINE_BYTES = 16 << 10  # bodies up to this are read on the event loop
 
 
 async def _read_body(request) -> bytes | None:
@@ -151,7 +169,7 @@ async def _sse(job: Job, base: dict, chat: bool, request, logprobs: LogprobsForm
                 break
         yield "data: [DONE]\n\n"
     finally:
-        if not job.delivered:
+        if not job.complete:
             job.cancelled = True  # the client went away: its row stops at the next step
 
 

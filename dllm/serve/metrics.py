@@ -12,7 +12,8 @@ METRICS = (  # attribute, kind, name, description, labels
     ("tokens_per_forward", "gauge", "dllm_tokens_per_forward", "Committed tokens per forward (all rows), since start",
      ()),
     ("queue", "gauge", "dllm_queue_depth", "Requests waiting for a batch slot", ()),
-    ("rows", "gauge", "dllm_batch_rows", "Rows in the running batch", ()),
+    ("rows", "gauge", "dllm_batch_rows", "Rows in the running batches", ()),
+    ("batches", "gauge", "dllm_batches", "Running batches (one per kind of request: sampler, cache, layout)", ()),
     ("latency", "histogram", "dllm_request_latency_seconds", "Request latency, submit to last block", ()),
     ("first_block", "histogram", "dllm_first_block_seconds", "Submit to the first final block", ()),
 )
@@ -32,6 +33,13 @@ class Metrics:
             setattr(self, attribute, kinds[kind](name, description, labels, registry=self.registry, **extra))
         if prefix_cache is not None:
             self.registry.register(_PrefixCacheCollector(prefix_cache))
+
+    def answered(self, endpoint: str, usage: dict, seconds: float) -> None:
+        """Count a complete answer."""
+        self.tokens.inc(usage["completion_tokens"])
+        self.prompt_tokens.inc(usage["prompt_tokens"])
+        self.latency.observe(seconds)
+        self.requests.labels(endpoint, "ok").inc()
 
     def text(self) -> bytes:
         from prometheus_client import generate_latest

@@ -3,12 +3,11 @@ that can fail before the request is queued (HTTP 400 with the CLI's one-line mes
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ..core.checks import check_int, check_seed
 from ..core.errors import DllmError
@@ -16,7 +15,7 @@ from ..engine.canvas import Canvas
 from ..engine.checks import check_policies
 from ..engine.logprobs import check_logprobs
 from ..engine.options import decoding_lengths, default_cache, lengths_for_answer, model_sampler, split_params
-from ..engine.text import check_plain_text, encode_prompts, warn_outside_format
+from ..engine.text import answer_text, check_plain_text, encode_prompts, warn_outside_format
 
 OPENAI_FIELDS = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "seed", "stream",
                  "n", "stop", "user", "stream_options", "ignore_eos",  # ignore_eos as vLLM: decode every block
@@ -27,9 +26,38 @@ NEUTRAL = {"top_p": 1, "frequency_penalty": 0, "presence_penalty": 0}  # what cl
 LAYOUT_FIELDS = ("gen_length", "block_length", "steps")
 
 
+def _stop_start(text: str, stops: list[str]) -> int:
+    """The length of the longest end of `text` that begins one of `stops` (0 if none)."""
+    return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+
+
+def _shortest_prefix(tokenizer, ids: list[int], holds) -> int:
+    """The fewest of `ids` (1..len) whose text `holds`, a test that stays true for every longer prefix once true
+    (len(ids) if none does)."""
+    low, high = 1, len(ids)
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if holds(answer_text(tokenizer, ids[:mid])) else (mid + 1, high)
+    return low
+
+
+def _tokens_through_stop(tokenizer, ids: list[int], stops: list[str]) -> int:
+    """How many of `ids` it takes for the text to contain one of `stops` (as vLLM counts a stopped completion)."""
+    return _shortest_prefix(tokenizer, ids, lambda text: any(s in text for s in stops))
+
+
+def _tokens_in_text(tokenizer, ids: list[int], length: int) -> int:
+    """How many of `ids` have their text within its first `length` characters."""
+    if not ids or len(answer_text(tokenizer, ids)) <= length:
+        return len(ids)
+    return _shortest_prefix(tokenizer, ids, lambda text: len(text) > length) - 1
+
+
 @dataclass
 class Job:
-    """One request: what to decode and where its events go (an asyncio queue, fed from the engine thread)."""
+    """One request: what to decode, and where its events go. The engine thread emits the answer's token ids after
+    each block (`emit`, set by the HTTP layer); `read`, off the engine thread, turns them into text, stop strings,
+    the finish reason and usage."""
 
     ids: list[int]
     lengths: dict[str, int | None]
@@ -40,23 +68,57 @@ class Job:
     stop: list[str]
     stream: bool
     chat: bool
-    key: tuple  # requests with equal keys can share a batch
+    key: tuple  # requests with equal keys can share a batch: the sampler's `batch_key`, the cache, the layout
     steps_per_block: int = 0
     stop_early: bool = True
     logprobs: int | None = None  # alternatives per answer token with its log-probability (None: none asked)
     logprobs_sent: int = 0  # answer tokens whose log-probabilities were sent
-    loop: asyncio.AbstractEventLoop | None = None
-    events: asyncio.Queue | None = None
-    cancelled: bool = False
+    emit: Callable[[dict], None] | None = None  # the engine's events: {"kind": "block", "ids", "done", "reason",
+    # "logprobs"} or {"kind": "error", "status", "message"}; called on the engine thread
+    events: asyncio.Queue | None = None  # what the HTTP handler reads
+    cancelled: bool = False  # the client has gone: the row stops at the next step
+    complete: bool = False  # the answer is complete (a stop string, or the engine's last block): the row can stop
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: float = field(default_factory=time.time)
     submitted: float = field(default_factory=time.perf_counter)
     first_block: float | None = None
     text: str = ""  # answer text sent so far
-    delivered: bool = False
+    delivered: bool = False  # the engine has emitted its last block
 
-    def send(self, kind: str, **payload) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, {"kind": kind, **payload})
+    def read(self, tokenizer, ids: list[int], done: bool, reason: str, logprobs: list | None = None) -> list[dict]:
+        """The events of a block: `ids`, the answer so far (decoded blocks, cut at max_tokens), becomes new text to
+        stream; at the end (`done`, or a stop string in the text) the finish reason (`reason` unless a stop string
+        ended it) and usage. Text that may begin a stop string, or a character split between blocks, waits.
+        `logprobs` (of `ids`, when asked): each event carries those of the tokens whose text it completes."""
+        text = answer_text(tokenizer, ids)
+        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        text = text[:min(hits)] if hits else text
+        done = done or bool(hits)
+        if not done:
+            text = text[:len(text) - _stop_start(text, self.stop)]
+        if hits:  # tokens decoded past the stop string are not the answer's
+            ids, reason = ids[:_tokens_through_stop(tokenizer, ids, self.stop)], "stop"
+        events = []
+        if done or not text.endswith("\ufffd"):
+            delta, self.text = text[len(self.text):], text
+            if delta and self.stream:
+                events.append({"kind": "delta", "text": delta, "logprobs": self._logprobs(tokenizer, ids, done,
+                                                                                          logprobs)})
+        if done:
+            self.complete = True
+            usage = {"prompt_tokens": len(self.ids), "completion_tokens": len(ids),
+                     "total_tokens": len(self.ids) + len(ids)}
+            events.append({"kind": "done", "text": self.text, "finish_reason": reason, "usage": usage,
+                           "logprobs": self._logprobs(tokenizer, ids, done, logprobs)})
+        return events
+
+    def _logprobs(self, tokenizer, ids: list[int], done: bool, logprobs: list | None) -> list | None:
+        """The log-probabilities of `ids`' tokens not sent yet whose text has been (all of them once `done`)."""
+        if self.logprobs is None:
+            return None
+        sent = len(ids) if done else _tokens_in_text(tokenizer, ids, len(self.text))
+        tokens, self.logprobs_sent = logprobs[self.logprobs_sent:sent], max(sent, self.logprobs_sent)
+        return tokens
 
 
 def served_defaults(model, flags: dict[str, Any]) -> dict[str, Any]:
@@ -128,12 +190,10 @@ class RequestReader:
         sampler.check_gen_length(lengths["gen_length"])
         warn_outside_format(self.model, self.tokenizer, [ids])  # in the server's log
         check_logprobs(logprobs, sampler)
-        sampler_key = (sampler.name, json.dumps(sampler.config(), sort_keys=True, default=str))
-        sampler = self._prepared(sampler_key, sampler)
+        sampler = self._prepared(sampler)
         block, gen = lengths["block_length"], lengths["gen_length"]
         steps_per_block = (lengths["steps"] or gen) // (gen // block)
-        key = (*sampler_key, cache.name, json.dumps(cache.config(), sort_keys=True, default=str), block,
-               steps_per_block, not ignore_eos)
+        key = (sampler.batch_key(), tuple(cache.config().items()), block, steps_per_block, not ignore_eos)
         if not (sampler.block_local and cache.block_fresh):
             key += (gen,)  # a batch that runs to its end decodes one layout
         if cache.rows_coupled:
@@ -141,9 +201,10 @@ class RequestReader:
         return Job(ids, lengths, max_tokens, seed, sampler, cache, stop, stream, chat, key,
                    steps_per_block=steps_per_block, stop_early=not ignore_eos, logprobs=logprobs)
 
-    def _prepared(self, key: tuple, sampler):
+    def _prepared(self, sampler):
         """One prepared sampler object per configuration (the last 32 used): `prepare` reads the tokenizer once
         (AdaBlock scans the whole vocabulary), and a sampler keeps no per-run state, so requests share it."""
+        key = tuple(sampler.config().items())
         with self.lock:
             known = self.samplers.pop(key, None)
         if known is None:

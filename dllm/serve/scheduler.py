@@ -1,10 +1,11 @@
-"""The engine thread: requests wait in a queue and join the running batch between blocks (continuous batching);
-each block's new text goes to its request."""
+"""The engine thread: requests join a running batch of their kind between blocks (continuous batching), batches of
+different kinds take blocks in turn, and each block's tokens go to their requests."""
 from __future__ import annotations
 
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -12,8 +13,7 @@ import torch
 from ..cache import CACHES, PrefixBlocks
 from ..core.checks import check_int
 from ..core.errors import DllmError
-from ..engine.loop import Batch
-from ..engine.text import answer_text
+from ..engine.loop import Batch, Row
 from .metrics import Metrics
 from .requests import Job, RequestReader
 
@@ -22,35 +22,33 @@ class ShuttingDown(Exception):
     pass
 
 
-def _stop_start(text: str, stops: list[str]) -> int:
-    """The length of the longest end of `text` that begins one of `stops` (0 if none)."""
-    return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+@dataclass(eq=False)
+class Group:
+    """A running batch and its requests, which share a `Job.key` (the sampler's batch-wide settings, the cache, the
+    block layout); their rows differ in per-row sampler settings, seeds, lengths and stop strings."""
+
+    key: tuple
+    batch: Batch
+    jobs: dict[Row, Job] = field(default_factory=dict)
+
+    @property
+    def open(self) -> bool:
+        """Takes rows now: before its first block, or between blocks where rows may join a running batch."""
+        return self.batch.joins_between_blocks or not self.batch.block
 
 
-def _shortest_prefix(tokenizer, ids: list[int], holds) -> int:
-    """The fewest of `ids` (1..len) whose text `holds`, a test that stays true for every longer prefix once true
-    (len(ids) if none does)."""
-    low, high = 1, len(ids)
-    while low < high:
-        mid = (low + high) // 2
-        low, high = (low, mid) if holds(answer_text(tokenizer, ids[:mid])) else (mid + 1, high)
-    return low
-
-
-def _tokens_through_stop(tokenizer, ids: list[int], stops: list[str]) -> int:
-    """How many of `ids` it takes for the text to contain one of `stops` (as vLLM counts a stopped completion)."""
-    return _shortest_prefix(tokenizer, ids, lambda text: any(s in text for s in stops))
-
-
-def _tokens_in_text(tokenizer, ids: list[int], length: int) -> int:
-    """How many of `ids` have their text within its first `length` characters."""
-    if not ids or len(answer_text(tokenizer, ids)) <= length:
-        return len(ids)
-    return _shortest_prefix(tokenizer, ids, lambda text: len(text) > length) - 1
+def _error(error: Exception) -> dict:
+    """The event for a request that `error` ended: 400 with the one-line reason, or 500."""
+    if isinstance(error, DllmError):
+        return {"kind": "error", "status": 400, "message": str(error)}
+    return {"kind": "error", "status": 500, "message": f"{type(error).__name__}: {error}"}
 
 
 class Engine:
-    """The decode loop's driver: admits waiting jobs between blocks, runs blocks, sends each job its new text."""
+    """The decode loop's driver. Between blocks it admits waiting jobs, oldest first, into a batch of their key
+    (a new one where none can take them), up to `max_batch` rows in all; then the next batch in turn runs a block,
+    so no kind of request waits behind another unless the engine is full. After each block every row's answer so
+    far goes to its job (`Job.emit`); turning ids into text is left to the HTTP side."""
 
     def __init__(self, model, tokenizer, name: str, defaults: dict[str, Any], max_batch: int = 8,
                  compile: bool = False, prefix_cache_mb: float = 0):
@@ -64,12 +62,15 @@ class Engine:
         self.metrics = Metrics(self.prefix)
         self.waiting: deque[Job] = deque()
         self.cond = threading.Condition()
-        self.batch: Batch | None = None
-        self.jobs: dict[Any, Job] = {}  # the batch's rows -> their requests
+        self.groups: list[Group] = []  # running batches, in the order they take blocks
         self.draining = self.stopping = False
-        self.key: tuple | None = None  # the running batch's Job.key
         self.forwards = self.committed = 0
         self.thread = threading.Thread(target=self._run, name="dllm-engine", daemon=True)
+
+    @property
+    def jobs(self) -> dict[Row, Job]:
+        """Every running row's job (read from any thread: copies, never iterates what the engine thread changes)."""
+        return {row: job for group in list(self.groups) for row, job in list(group.jobs.items())}
 
     # -- requests ---------------------------------------------------------------------------------------------
     def job(self, body: Any, chat: bool) -> Job:
@@ -113,75 +114,96 @@ class Engine:
         torch.set_grad_enabled(False)
         while True:
             with self.cond:
-                while not (self.waiting or self.jobs or self.stopping):
+                while not (self.waiting or self.groups or self.stopping):
                     self.cond.wait()
-                if self.stopping and not self.jobs:
+                if self.stopping and not self.groups:
                     for job in self.waiting:
-                        job.send("error", status=503, message="the server is shutting down")
+                        job.emit({"kind": "error", "status": 503, "message": "the server is shutting down"})
                     return
-            try:
-                self._admit()
-                if self.jobs:
-                    self._block()
-            except Exception as error:  # every request of the batch gets the message, once; the server goes on
-                message = str(error) if isinstance(error, DllmError) else f"{type(error).__name__}: {error}"
-                for job in self.jobs.values():
-                    job.send("error", status=400 if isinstance(error, DllmError) else 500, message=message)
-                    self.metrics.requests.labels(self._endpoint(job), "error").inc()
-                self.jobs, self.batch = {}, None
+            self.step()
+
+    def step(self) -> None:
+        """Admit waiting jobs, then run one block of the next batch in turn (the engine thread's loop body)."""
+        self._admit()
+        if not self.groups:
+            return
+        group = self.groups[0]
+        try:
+            self._block(group)
+        except Exception as error:  # every request of the batch gets the message, once; the server goes on
+            for job in group.jobs.values():
+                self._fail(job, error)
+            group.jobs = {}
+        self.groups.remove(group)
+        if group.jobs:
+            self.groups.append(group)  # its next block after every other batch's
+
+    def _fail(self, job: Job, error: Exception) -> None:
+        job.emit(_error(error))
+        self.metrics.requests.labels(self._endpoint(job), "error").inc()
 
     def _admit(self) -> None:
-        """Between blocks: drop delivered and cancelled rows, then fill free slots from the queue (FIFO; a
-        request that cannot share the batch waits until the batch drains)."""
-        batch = self.batch
-        if batch is not None:
-            leaving = [row for row, job in self.jobs.items() if job.delivered or job.cancelled]
-            if batch.joins_between_blocks:
-                for row in leaving:
-                    batch.remove(row)
-                    del self.jobs[row]
-            elif len(leaving) == len(self.jobs):
-                self.jobs = {}
-            if not self.jobs:
-                self.batch = batch = None
-        if batch is not None and batch.block and not batch.joins_between_blocks:
-            return
+        """Between blocks: drop finished and cancelled rows, then fill free slots from the queue, oldest first; a
+        job waits only while the engine is full."""
+        for group in list(self.groups):
+            self._retire(group)
         with self.cond:
-            while self.waiting and len(self.jobs) < self.max_batch:
-                job = self.waiting[0]
+            free = self.max_batch - sum(len(group.jobs) for group in self.groups)
+            while self.waiting and free > 0:
+                job = self.waiting.popleft()
                 if job.cancelled:
-                    self.waiting.popleft()
                     continue
-                if batch is not None and job.key != self.key:
-                    break
-                self.waiting.popleft()
+                group = next((g for g in self.groups if g.key == job.key and g.open), None)
                 try:
-                    if batch is None:
-                        batch = self.batch = Batch(self.model, job.sampler, job.cache, job.lengths["block_length"],
-                                                   job.steps_per_block, stop_early=job.stop_early, compile=self.compile,
-                                                   callback=self._step, prefix_cache=self.prefix
-                                                   if job.cache.keeps_final_blocks else None)
-                        self.key = job.key
-                    row = batch.add(job.ids, job.lengths["gen_length"], job.seed, job.logprobs)
-                except Exception as e:  # checked in `job` already; this request alone gets any error left
-                    job.send("error", status=400 if isinstance(e, DllmError) else 500,
-                             message=str(e) if isinstance(e, DllmError) else f"{type(e).__name__}: {e}")
-                    self.metrics.requests.labels(self._endpoint(job), "error").inc()
+                    if group is None:
+                        group = self._group(job)
+                    row = group.batch.add(job.ids, job.lengths["gen_length"], job.seed, job.sampler, job.logprobs)
+                except Exception as error:  # checked in `job` already; this request alone gets any error left
+                    self._fail(job, error)
                     continue
-                self.jobs[row] = job
+                if not group.jobs:
+                    self.groups.append(group)
+                group.jobs[row] = job
+                free -= 1
             self.metrics.queue.set(len(self.waiting))
-        self.metrics.rows.set(len(self.jobs))
+        self.metrics.rows.set(sum(len(group.jobs) for group in self.groups))
+        self.metrics.batches.set(len(self.groups))
 
-    def _step(self, info: dict) -> None:
-        """After every step: a cancelled request's row stops decoding (it leaves at the block's end)."""
-        for row, job in self.jobs.items():
-            if job.cancelled and not job.delivered:
-                self.batch.cancel(row)
+    def _group(self, job: Job) -> Group:
+        """A new batch for `job`'s kind."""
+        batch = Batch(self.model, job.sampler, job.cache, job.lengths["block_length"], job.steps_per_block,
+                      stop_early=job.stop_early, compile=self.compile,
+                      prefix_cache=self.prefix if job.cache.keeps_final_blocks else None)
+        group = Group(job.key, batch)
+        batch.callback = lambda info: self._step(group)
+        return group
+
+    def _retire(self, group: Group) -> None:
+        """Take delivered and cancelled rows out of `group` (all at once where rows cannot leave a running batch);
+        an empty group ends."""
+        batch = group.batch
+        leaving = [row for row, job in group.jobs.items() if job.delivered or job.cancelled]
+        if batch.joins_between_blocks:
+            for row in leaving:
+                batch.remove(row)
+                del group.jobs[row]
+        elif len(leaving) == len(group.jobs):
+            group.jobs = {}
+        if not group.jobs:
+            self.groups.remove(group)
+
+    def _step(self, group: Group) -> None:
+        """After every step: the row of a request that is complete (a stop string) or cancelled stops decoding (it
+        leaves at the block's end)."""
+        for row, job in group.jobs.items():
+            if (job.cancelled or job.complete) and not job.delivered:
+                group.batch.cancel(row)
                 job.delivered = True
-                self.metrics.requests.labels(self._endpoint(job), "cancelled").inc()
+                if not job.complete:
+                    self.metrics.requests.labels(self._endpoint(job), "cancelled").inc()
 
-    def _block(self) -> None:
-        batch, metrics = self.batch, self.metrics
+    def _block(self, group: Group) -> None:
+        batch, metrics = group.batch, self.metrics
         nfe, committed, rows = batch.stats.nfe, batch.stats.gen_tokens, batch.rows_computed
         batch.run_block()
         metrics.rows_computed.inc(batch.rows_computed - rows)
@@ -191,53 +213,27 @@ class Engine:
         metrics.committed.inc(batch.stats.gen_tokens - committed)
         metrics.tokens_per_forward.set(self.committed / self.forwards if self.forwards else 0.0)
         now = time.perf_counter()
-        for row, job in self.jobs.items():
+        for row, job in group.jobs.items():
             if job.delivered:
                 continue
             if job.first_block is None:
                 job.first_block = now
                 metrics.first_block.observe(now - job.submitted)
-            self._deliver(batch, row, job, now)
+            self._deliver(batch, row, job)
 
-    def _deliver(self, batch: Batch, row, job: Job, now: float) -> None:
-        """Send the text of `row`'s newly decoded blocks; at its end the finish reason and usage."""
-        answer, finished, stop_token = batch.answer(row), batch.done(row), row.finished
-        over = job.max_tokens is not None and len(answer) > job.max_tokens  # cut at max_tokens
+    @staticmethod
+    def _deliver(batch: Batch, row: Row, job: Job) -> None:
+        """Emit `row`'s answer so far (its decoded blocks, cut at max_tokens); at its end the finish reason, and
+        the row stops decoding."""
+        answer, finished = batch.answer(row), batch.done(row)
+        over = job.max_tokens is not None and len(answer) > job.max_tokens
         ids = answer[:job.max_tokens] if job.max_tokens is not None else answer
-        text = answer_text(self.tokenizer, ids)
-        hits = [i for i in (text.find(s) for s in job.stop) if i >= 0]
-        text = text[:min(hits)] if hits else text
-        done = finished or bool(hits) or job.max_tokens is not None and len(ids) >= job.max_tokens
-        if not done:  # text that may begin a stop string waits for the next block
-            text = text[:len(text) - _stop_start(text, job.stop)]
-        if hits:  # tokens decoded past the stop string are not the answer's
-            ids = ids[:_tokens_through_stop(self.tokenizer, ids, job.stop)]
-        if done or not text.endswith("\ufffd"):  # a character split between blocks waits for its end
-            delta, job.text = text[len(job.text):], text
-            if delta and job.stream:
-                job.send("delta", text=delta, logprobs=self._logprobs(batch, row, job, ids, done))
-        if not done:
-            return
-        if not finished:
-            batch.cancel(row)  # complete at max_tokens or a stop string: the row stops decoding
-        job.delivered = True
-        reason = "stop" if hits or stop_token and not over else "length"
-        usage = {"prompt_tokens": len(job.ids), "completion_tokens": len(ids), "total_tokens": len(job.ids) + len(ids)}
-        job.send("done", text=job.text, finish_reason=reason, usage=usage,
-                 logprobs=self._logprobs(batch, row, job, ids, done))
-        metrics = self.metrics
-        metrics.tokens.inc(len(ids))
-        metrics.prompt_tokens.inc(len(job.ids))
-        metrics.latency.observe(now - job.submitted)
-        metrics.requests.labels(self._endpoint(job), "ok").inc()
-
-    def _logprobs(self, batch: Batch, row, job: Job, ids: list[int], done: bool) -> list | None:
-        """The log-probabilities of `ids`' tokens not sent yet whose text has been (all of them once `done`)."""
-        if job.logprobs is None:
-            return None
-        sent = len(ids) if done else _tokens_in_text(self.tokenizer, ids, len(job.text))
-        tokens, job.logprobs_sent = batch.logprobs(row)[job.logprobs_sent:sent], max(sent, job.logprobs_sent)
-        return tokens
+        done = finished or job.max_tokens is not None and len(ids) >= job.max_tokens
+        if done and not finished:
+            batch.cancel(row)  # complete at max_tokens: the row stops decoding
+        job.delivered = done
+        job.emit({"kind": "block", "ids": ids, "done": done, "reason": "stop" if row.finished and not over else "length",
+                  "logprobs": None if job.logprobs is None else batch.logprobs(row)[:len(ids)]})
 
     @staticmethod
     def _endpoint(job: Job) -> str:
