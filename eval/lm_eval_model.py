@@ -83,7 +83,7 @@ class DllmLM(LM):
 
         import dllm
         from dllm.core.checks import check_int
-        from dllm.engine.options import decoding_lengths, split_params
+        from dllm.engine.options import decoding_lengths, model_sampler, split_params
 
         if not str(batch_size).isdigit() or int(batch_size) < 1:
             raise DllmError(f"batch_size must be a positive integer, got {batch_size!r}")
@@ -99,8 +99,9 @@ class DllmLM(LM):
         self.model, self.tokenizer = dllm.load(model, device=device, dtype=dtype,
                                                threads=None if threads is None else _number("threads", threads, int),
                                                quantize=quantize, quantize_head=_flag("quantize_head", quantize_head))
-        # the sampler again, with the model family's defaults (`family_sampler_args`)
-        self.sampler = split_params(sampler, "none" if cache is None else cache, params, model=self.model)[0]
+        # the sampler again, with the model's settings under the caller's (`model_sampler`)
+        name, args = model_sampler(self.model, sampler, None)
+        self.sampler = split_params(name, "none" if cache is None else cache, params, args)[0]
         self._device = self.model.device
         if self._world_size > 1:
             from accelerate import Accelerator

@@ -230,8 +230,9 @@ _UNSCORED: ContextVar[Tensor | None] = ContextVar("dllm_unscored_tokens", defaul
 @contextmanager
 def scoring_without(token_ids: Tensor | None):
     """While the decode loop runs a step under LLaDA's `confidence_eos_eot_inf`, `token_probability` scores
-    every position as if `token_ids` (EOS, EoT) had logit -inf: a position predicting one of them gets
-    probability 0 and the others' probabilities leave out their mass (ML-GSAI/LLaDA `generate.py`)."""
+    every position as if `token_ids` (EOS, EoT; or a `[B, V]` mask, each row's own) had logit -inf: a position
+    predicting one of them gets probability 0 and the others' probabilities leave out their mass (ML-GSAI/LLaDA
+    `generate.py`)."""
     token = _UNSCORED.set(token_ids)
     try:
         yield
@@ -245,7 +246,9 @@ def token_probability(logits: Tensor, tokens: Tensor) -> Tensor:
     near-tied confidences order as theirs do (`tests/test_reference_rules.py`). See `scoring_without`."""
     logits = logits.float()
     unscored = _UNSCORED.get()
-    if unscored is not None:
+    if unscored is not None and unscored.dim() == 2:  # a mask per row
+        logits = logits.masked_fill(unscored.view(len(unscored), *[1] * (logits.dim() - 2), -1), float("-inf"))
+    elif unscored is not None:
         logits = logits.index_fill(-1, unscored, float("-inf"))
     return logits.softmax(-1).gather(-1, tokens[..., None])[..., 0]
 

@@ -154,7 +154,7 @@ def test_loading(pair):
     row, and our checkpoint names round-trip."""
     ref, model, path = pair
     assert isinstance(model, DiffusionGemma) and model.config.mask_id is None
-    assert model.config.stop_ids == (1, 7) and model.generation_defaults == {"gen_length": 32}
+    assert model.config.stop_ids == (1, 7) and model.generation_defaults.values == {"gen_length": 32}
     for i, layer in enumerate(model.layers):
         assert layer.encoder_scale.item() == ref.model.encoder.language_model.layers[i].layer_scalar.item()
         assert layer.decoder_scale.item() == ref.model.decoder.layers[i].layer_scalar.item()
