@@ -9,6 +9,7 @@ import pytest
 
 import dllm
 from dllm.cli import main
+from dllm.engine.options import model_sampler, settle
 
 FILES = Path(__file__).parent / "data" / "generation_config"
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12]]  # token ids: the tiny presets' tokenizers know few characters
@@ -105,6 +106,31 @@ def test_explain_says_where_every_value_came_from(tmp_path, capsys):
     assert "sampler.temperature = 0.0" in text and "(generation_config.json (temperature))" in text
 
 
+def test_one_path_caller_then_file_then_family_then_ours(tmp_path):
+    """`model_sampler` is the one place a checkpoint's sampler settings come from (generate, the CLI, serve and
+    eval take it; `settle`, behind --explain, reports it): the caller's, else generation_config.json's (to
+    whichever sampler takes them), else the family's (to the family's sampler only), else ours."""
+    dream, _ = dllm.load(checkpoint(tmp_path, "dream-tiny", "dream-v0-instruct-7b.json"))
+    assert model_sampler(dream, None, None) == ("origin", {"temperature": 0.0, "eps": 0.001})
+    assert model_sampler(dream, None, {"eps": 0.01}) == ("origin", {"temperature": 0.0, "eps": 0.01})
+    assert model_sampler(dream, "threshold", None) == ("threshold", {"temperature": 0.0})  # eps: threshold has none
+    llada2, _ = dllm.load("random:llada2-tiny")  # no file: the family's decoding
+    assert model_sampler(llada2, None, None) == ("low_confidence_dynamic", {"threshold": 0.95})
+    assert model_sampler(llada2, None, {"threshold": 0.8}) == ("low_confidence_dynamic", {"threshold": 0.8})
+    assert model_sampler(llada2, "threshold", None) == ("threshold", {})  # the family's 0.95 is not threshold's
+    nemotron, _ = dllm.load("random:nemotron-diffusion-tiny")  # the family's default for any sampler taking it
+    assert model_sampler(nemotron, "threshold", None) == ("threshold", {"causal_first": True})
+    assert model_sampler(nemotron, "threshold", {"causal_first": False}) == ("threshold", {"causal_first": False})
+    assert model_sampler(nemotron, "entropy", None) == ("entropy", {})
+    llada, _ = dllm.load("random:llada-tiny")
+    assert model_sampler(llada, None, None) == ("low_confidence", {})
+    for model in (dream, llada2, nemotron, llada):
+        settings = settle(model)
+        name, args = model_sampler(model, None, None)
+        assert settings.sampler.name == name
+        assert {k: v for k, v in settings.sampler.config().items() if k in args} == args
+
+
 def test_a_family_default_comes_from_its_authors(tmp_path, capsys):
     assert main(["generate", "hi", "--model", "random:llada2-tiny", "--explain"]) == 0
     text = capsys.readouterr().out
@@ -112,15 +138,15 @@ def test_a_family_default_comes_from_its_authors(tmp_path, capsys):
     assert "sampler.threshold = 0.95" in text
 
 
-def test_a_file_value_that_cannot_be_right_is_refused_at_load(tmp_path):
+def test_a_file_value_that_cannot_be_right_is_refused_before_any_work(tmp_path):
     path = checkpoint(tmp_path, "dream-tiny", None)
     (tmp_path / "generation_config.json").write_text(json.dumps({"alg": "origin", "top_p": 1.5}))
     model, tok = dllm.load(path)  # a sampler parameter is checked by the sampler, before any work
-    with pytest.raises(dllm.DllmError, match="top_p .*1.5.* \\(from the model's generation_config.json\\)"):
+    with pytest.raises(dllm.DllmError, match="top_p=1.5 is out of range.*\\(from the model's generation_config"):
         dllm.generate(model, tok, PROMPTS)
     (tmp_path / "generation_config.json").write_text(json.dumps({"mask_token_id": 3}))
     with pytest.raises(dllm.DllmError, match="says mask_token_id 3, config.json 127; make them agree"):
         dllm.load(path)
     (tmp_path / "generation_config.json").write_text(json.dumps({"alg": "confidence_threshold"}))
     notes = dllm.load(path)[0].generation_defaults.notes
-    assert notes["alg"].startswith("'confidence_threshold' is not one of Dream's algorithms")
+    assert notes["alg"].startswith("'confidence_threshold' is not one of the authors' algorithms")
