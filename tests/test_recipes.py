@@ -81,7 +81,7 @@ def test_a_recipe_runs_on_a_tiny_model_with_the_flags_given_winning(tmp_path, ca
     assert "recipe fastdllm-llada-gsm8k-parallel: published accuracy 78.5" in out
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["recipe"] == "fastdllm-llada-gsm8k-parallel"
-    assert config["sampler"] == {"name": "threshold", "temperature": 0.0, "threshold": 0.9}
+    assert config["sampler"] == {"name": "threshold", "temperature": 0.0, "threshold": 0.9, "causal_first": False}
     assert config["cache"]["name"] == "prefix" and (config["gen_length"], config["block_length"]) == (64, 32)
     assert main(["eval", "--recipe", "llada-instruct-gsm8k", "--task", "synthetic"]) == 2
     assert re.search(r"recipe 'llada-instruct-gsm8k' evaluates GSAI-ML/LLaDA-8B-Instruct; give its local "
