@@ -131,6 +131,16 @@ def test_one_path_caller_then_file_then_family_then_ours(tmp_path):
         assert {k: v for k, v in settings.sampler.config().items() if k in args} == args
 
 
+def test_save_pretrained_keeps_the_files_settings(tmp_path):
+    """A saved checkpoint's generation_config.json carries what the loaded one said (the sampler, its
+    parameters under the file's names, the family's keys as they were)."""
+    model, tok = dllm.load(checkpoint(tmp_path / "a", "dream-tiny", "dream-v0-instruct-7b.json"))
+    dllm.save_pretrained(model, tok, tmp_path / "b")
+    saved = json.loads((tmp_path / "b" / "generation_config.json").read_text())
+    assert saved == {"alg": "origin", "temperature": 0.0, "eps": 0.001}
+    assert model_sampler(dllm.load(str(tmp_path / "b"))[0], None, None) == model_sampler(model, None, None)
+
+
 def test_a_family_default_comes_from_its_authors(tmp_path, capsys):
     assert main(["generate", "hi", "--model", "random:llada2-tiny", "--explain"]) == 0
     text = capsys.readouterr().out
