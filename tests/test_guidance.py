@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from conftest import random_model
 
 import dllm
+from dllm.cache import PrefixBlocks
 from dllm.core.errors import DllmError
 from dllm.engine.text import encode_prompts
 
@@ -134,6 +135,12 @@ def test_what_cannot_keep_the_options_is_refused(tiny):
         dllm.generate(model, tok, PROMPTS, cfg_scale=-1)
     with pytest.raises(DllmError, match="logits_eos_inf must be True or False"):
         dllm.generate(model, tok, PROMPTS, logits_eos_inf="yes")
+    sdar, sdar_tok = dllm.load("random:sdar-tiny")  # a block-causal model: a prefix cache applies
+    with pytest.raises(DllmError, match="a prefix cache keeps the keys and values of guided rows only"):
+        dllm.generate(sdar, sdar_tok, PROMPTS, cfg_scale=1.0, prefix_cache=PrefixBlocks(sdar, 8))
+    gemma, gemma_tok = dllm.load("random:diffusion-gemma-tiny")  # uniform-state: no mask for the prompt
+    with pytest.raises(DllmError, match="this is a uniform-state model .no mask token.; use cfg_scale=0"):
+        dllm.generate(gemma, gemma_tok, PROMPTS, cfg_scale=1.0)
 
 
 def test_confidence_eos_eot_inf_leaves_eos_scored_at_a_temperature(tiny):
