@@ -167,3 +167,34 @@ def test_a_sharp_model_decodes_as_llada_generate(gen_length, block_length, steps
     out = dllm.generate(model, tok, prompts, gen_length=gen_length, block_length=block_length, steps=steps,
                         stop_early=False)
     assert out.sequences[:, -gen_length:].tolist() == want
+
+
+def test_rows_with_their_own_temperatures_keep_the_options_each_as_alone(eos_heavy):
+    """A batch whose rows have their own temperatures (`Batch.add(..., sampler=...)`, the server's batch per kind of
+    request) under cfg_scale and confidence_eos_eot_inf: each row leaves out EOS by its own temperature (at 0 EOS
+    and EoT, above 0 EoT only) and decodes as alone."""
+    from dllm import cache as caches
+    from dllm import samplers
+    from dllm.engine import Batch
+    from dllm.engine.guidance import Guidance
+
+    model, tok = eos_heavy
+    guidance = Guidance(cfg_scale=1.0, confidence_eos_eot_inf=True)
+    greedy, warm = (samplers.SAMPLERS.create("low_confidence", temperature=t) for t in (0.0, 0.7))
+    ids = encode_prompts(tok, PROMPTS, chat=True)
+    rows = [(ids[0], 0, greedy), (ids[1], 1, warm), (ids[0], 0, warm), (ids[2], 2, greedy)]
+
+    def decode(rows):
+        batch = Batch(model, rows[0][2], caches.CACHES.create("none"), 8, 4, stop_early=False, guidance=guidance)
+        added = [batch.add(prompt, 16, seed, sampler) for prompt, seed, sampler in rows]
+        while batch.running:
+            batch.run_block()
+        batch._save()
+        return [row.tokens[len(row.prompt):].tolist() for row in added]  # stop tokens too: this model proposes them
+
+    alone = [decode([row])[0] for row in rows]
+    assert decode(rows) == alone
+    assert alone[0] != alone[2]
+    mask = guidance.unscored(model.config, torch.tensor([0.0, 0.7], dtype=torch.float64), "cpu")
+    eot = [i for i in model.config.stop_ids if i != model.config.filler_id]
+    assert mask.nonzero().tolist() == sorted([[0, model.config.filler_id], *([r, i] for r in (0, 1) for i in eot)])

@@ -133,10 +133,12 @@ class Runner:
         index = torch.tensor([b for b, keep in enumerate(open_rows) if keep], device=self.model.device)
         part = copy.copy(self)
         part.canvas = self.canvas.take_rows(index)
-        part.kv = self.kv.take_rows(index)
+        part.prompt_columns = self.prompt_columns.index_select(0, index)
+        stored = torch.stack((2 * index, 2 * index + 1), 1).flatten() if self.guidance.guided else index  # + copies
+        part.kv = self.kv.take_rows(stored)
         logits = part.forward(lo, hi, rows, inputs={k: v.index_select(0, index) for k, v in (inputs or {}).items()},
                               block=block)
-        self.kv.put_rows(part.kv, index)
+        self.kv.put_rows(part.kv, stored)
         out = logits.new_zeros((len(open_rows), *logits.shape[1:]))
         if self.model.config.mask_id is not None:
             out[..., self.model.config.mask_id] = float("-inf")

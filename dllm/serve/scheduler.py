@@ -25,7 +25,7 @@ class ShuttingDown(Exception):
 @dataclass(eq=False)
 class Group:
     """A running batch and its requests, which share a `Job.key` (the sampler's batch-wide settings, the cache, the
-    block layout); their rows differ in per-row sampler settings, seeds, lengths and stop strings."""
+    block layout, LLaDA's options); their rows differ in per-row sampler settings, seeds, lengths and stop strings."""
 
     key: tuple
     batch: Batch
