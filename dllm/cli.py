@@ -15,7 +15,8 @@ from dllm import samplers as samplers_mod
 
 from .core.checks import check_seed
 from .core.errors import DllmError, one_line_notice
-from .engine.options import decoding_lengths, default_cache, family_sampler_args, model_sampler
+from .engine.guidance import Guidance
+from .engine.options import Settings, settle
 from .engine.text import check_plain_text
 
 DEFAULT_MODEL = "tiny-llada"
@@ -43,7 +44,9 @@ def _add_decoding_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="shipped name, random:<preset> or a local directory")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU)")
-    p.add_argument("--sampler", default=None, help="(default: the model family's, else low_confidence)")
+    p.add_argument("--sampler", default=None, help="(default: the model's: its generation_config.json (Dream's "
+                   "alg), else its family's (DiffusionGemma: entropy_bound), else low_confidence; see generate "
+                   "--explain)")
     p.add_argument("--sampler-arg", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--cache", default=None, help="(default: block on a block-causal model, else none)")
     p.add_argument("--cache-arg", action="append", default=[], metavar="KEY=VALUE")
@@ -53,6 +56,11 @@ def _add_decoding_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=None,
                    help="total steps (default: gen-length; DiffusionGemma: max_denoising_steps, 48, per canvas)")
     p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--cfg-scale", type=float, default=0.0,
+                   help="classifier-free guidance against the prompt masked (LLaDA's cfg_scale; 0: none)")
+    p.add_argument("--logits-eos-inf", action="store_true", help="never propose EOS (LLaDA's logits_eos_inf)")
+    p.add_argument("--confidence-eos-eot-inf", action="store_true",
+                   help="commit EOS and EoT predictions last (LLaDA's confidence_eos_eot_inf)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile", action="store_true",
                    help="run the model under torch.compile (caches none, prefix, dual, block; compiling takes a while)")
@@ -87,25 +95,46 @@ def _add_prefix_cache_flag(p: argparse.ArgumentParser) -> None:
                         "models only")
 
 
-def _policies(args, model=None) -> tuple[Any, Any]:
-    """The sampler and cache of the flags, checked before the model loads; no --sampler gives None until then, and
-    given the `model` its family's (`engine.options.model_sampler`: DiffusionGemma's entropy_bound, with its
-    generation_config.json's parameters under the flags'), with the family's defaults for any sampler under the
-    flags (`family_sampler_args`: Nemotron's causal_first); no --cache gives None, the model's default
-    (`engine.default_cache`), which `generate` and `evaluate` take themselves."""
+def _policies(args) -> dict[str, Any]:
+    """The flags' sampler, cache and LLaDA options as `settle` keywords, checked before the model loads (a named
+    sampler or cache is built once for its parameters); no --sampler or --cache: the model's (`settle`)."""
     sampler_args = _key_values(args.sampler_arg, "--sampler-arg")
     if args.temperature is not None:
         sampler_args["temperature"] = args.temperature
-    name = args.sampler
-    if model is not None:
-        name, sampler_args = model_sampler(model, name, sampler_args)
-        sampler_args = {**family_sampler_args(model, name), **sampler_args}
-    sampler = None if name is None else samplers_mod.SAMPLERS.create(name, **sampler_args)
+    if args.sampler is not None:
+        samplers_mod.SAMPLERS.create(args.sampler, **sampler_args)
     cache_args = _key_values(args.cache_arg, "--cache-arg")
     if args.cache is None and cache_args:
         raise DllmError(f"--cache-arg {args.cache_arg[0]} needs --cache NAME (the default caches take no parameters)")
-    cache = None if args.cache is None else caches.CACHES.create(args.cache, **cache_args)
-    return sampler, cache
+    if args.cache is not None:
+        caches.CACHES.create(args.cache, **cache_args)
+    guidance = Guidance(args.cfg_scale, args.logits_eos_inf, args.confidence_eos_eot_inf)
+    return dict(sampler=args.sampler, cache=args.cache, sampler_args=sampler_args, cache_args=cache_args,
+                **guidance.config())
+
+
+def _settings(args, model, policies: dict[str, Any] | None = None) -> Settings:
+    """The flags over the model's settings (`settle`): what to decode with, and where each value came from."""
+    return settle(model, **(policies or _policies(args)), gen_length=args.gen_length, block_length=args.block_length,
+                  steps=args.steps)
+
+
+def _decoding(settings: Settings) -> dict[str, Any]:
+    """`settings` as `dllm.generate` keywords."""
+    return dict(sampler=settings.sampler, cache=settings.cache, **settings.lengths, **settings.guidance.config())
+
+
+def format_explain(explained: dict) -> str:
+    """`Settings.explain()` as aligned lines: each setting, its value and where it came from, then every key of
+    the model's generation_config.json and what became of it."""
+    rows = [(name, repr(s["value"]) if isinstance(s["value"], str) else str(s["value"]), s["from"])
+            for name, s in explained["settings"].items()]
+    width = max(len(n) + len(v) for n, v, _ in rows) + 3
+    lines = [f"{n} = {v}".ljust(width) + f"  ({source})" for n, v, source in rows]
+    notes = explained["generation_config.json"]
+    lines += ["generation_config.json:" if notes else "generation_config.json: none"]
+    lines += [f"  {key}: {note}" for key, note in notes.items()]
+    return "\n".join(lines)
 
 
 def _stdin_lines():
@@ -160,20 +189,23 @@ def _generate(args) -> int:
         raise DllmError("no prompt given; pass PROMPT arguments or pipe prompts on stdin, one per line")
     if args.trace is not None:
         _check_writable_file(args.trace, "--trace")
-    _policies(args)  # bad flags fail before the model loads
+    policies = _policies(args)  # bad flags fail before the model loads
     model, tok = _load(args)
-    sampler, cache = _policies(args, model)
-    lengths = decoding_lengths(model, args.gen_length, args.block_length, args.steps)
-    with _progress(args, len(prompts) * lengths["gen_length"], "generate") as bar:
-        out = dllm.generate(model, tok, prompts, sampler=sampler, cache=cache, **lengths, seed=args.seed,
-                            chat=args.chat, trace=args.trace is not None, compile=args.compile,
+    settings = _settings(args, model, policies)
+    if args.explain:
+        print(json.dumps(settings.explain()) if args.json else format_explain(settings.explain()))
+        return 0
+    with _progress(args, len(prompts) * settings.lengths["gen_length"], "generate") as bar:
+        out = dllm.generate(model, tok, prompts, **_decoding(settings), seed=args.seed, chat=args.chat,
+                            trace=args.trace is not None, compile=args.compile,
                             callback=lambda info: bar.update(info["committed"]))
     if args.trace:
         _write_atomically(args.trace, "".join(json.dumps(record) + "\n" for record in out.trace))
     stats = out.stats.as_dict()
     if args.json:
         print(json.dumps({"outputs": [{"text": t, "token_ids": ids} for t, ids in zip(out.texts, out.token_ids)],
-                          "stats": stats, "sampler": out.sampler, "cache": out.cache, "threads": model.threads}))
+                          "stats": stats, "sampler": out.sampler, "cache": out.cache, "threads": model.threads,
+                          **settings.explain()}))
     else:
         for text in out.texts:
             print(text)
@@ -192,12 +224,11 @@ def _chat(args) -> int:
     if args.chat is False:
         raise DllmError("dllm chat always uses the chat template; drop --no-chat (dllm generate --no-chat sends raw "
                         "text)")
-    _policies(args)  # bad flags fail before the model loads
+    policies = _policies(args)  # bad flags fail before the model loads
     model, tok = _load(args)
-    sampler, cache = _policies(args, model)
     if getattr(tok, "chat_template", None) is None:
         raise DllmError(f"{args.model} has no chat template; use `dllm generate --no-chat`")
-    lengths = decoding_lengths(model, args.gen_length, args.block_length, args.steps)
+    decoding = _decoding(_settings(args, model, policies))
     history = model.generation_defaults.get("multi_turn", True) if args.history is None else args.history
     if sys.stdin.isatty():
         print(f"chat with {args.model} (empty line to quit)" + ("" if history else
@@ -212,8 +243,7 @@ def _chat(args) -> int:
         try:  # a line the model cannot take is said, and the conversation goes on without it
             check_plain_text(tok, line, "this line")
             text = tok.apply_chat_template(turn, add_generation_prompt=True, tokenize=False)
-            answer = dllm.stream(model, tok, text, sampler, cache, **lengths, seed=args.seed, chat=False,
-                                 compile=args.compile)
+            answer = dllm.stream(model, tok, text, **decoding, seed=args.seed, chat=False, compile=args.compile)
             for delta in answer:  # each block's text once it is decoded
                 print(delta, end="", flush=True)
         except DllmError as e:
@@ -257,30 +287,27 @@ def _run_eval(args) -> int:
             raise DllmError("--gold scores the references without a model; drop --sweep")
         summary = evaluate(None, None, args.task, output=args.output, gold=True, **data_args)
     else:
-        sampler_args = _key_values(args.sampler_arg, "--sampler-arg")
-        if args.temperature is not None:
-            sampler_args["temperature"] = args.temperature
-        cache_args = _key_values(args.cache_arg, "--cache-arg")
-        _policies(args)  # bad flags fail before the model loads
+        policies = _policies(args)  # bad flags fail before the model loads
         device = f"cuda:{state.local_process_index}" if args.device == "cuda" else args.device  # one GPU each
         model, tok = _load(args, device)
-        sampler, cache = _policies(args, model)
-        decode_args = dict(**decoding_lengths(model, args.gen_length, args.block_length, args.steps),
-                           seed=args.seed, chat=args.chat, model_name=args.model, compile=args.compile,
-                           **data_args)
+        settings = _settings(args, model, policies)
+        decode_args = dict(**settings.lengths, **settings.guidance.config(), seed=args.seed, chat=args.chat,
+                           model_name=args.model, compile=args.compile, recipe=args.recipe, **data_args)
         if args.sweep:
             if not args.output:
                 raise DllmError("--sweep needs --output DIR (one folder per point, sweep.json, pareto.png)")
-            name, sampler_args = model_sampler(model, args.sampler, sampler_args)
-            result = run_sweep(model, tok, args.task, args.sweep, args.output, name, args.cache, sampler_args,
-                               cache_args, **decode_args)
+            own = {kind: {k: v for k, v in policy.config().items() if k != "name"}
+                   for kind, policy in (("sampler", settings.sampler), ("cache", settings.cache))}
+            result = run_sweep(model, tok, args.task, args.sweep, args.output, settings.sampler.name,
+                               settings.cache.name, own["sampler"], own["cache"], **decode_args)
             if state.is_main_process:
                 if result.get("plot") is None:
                     print("note: pareto.png not drawn: matplotlib is missing; pip install 'dllm-fast[plot]'",
                           file=sys.stderr)
                 print(json.dumps(result) if args.json else table(result), end="")
             return 0
-        summary = evaluate(model, tok, args.task, sampler, cache, output=args.output, **decode_args)
+        summary = evaluate(model, tok, args.task, settings.sampler, settings.cache, output=args.output,
+                           **decode_args)
     if not state.is_main_process:
         return 0
     if args.json:
@@ -289,6 +316,11 @@ def _run_eval(args) -> int:
         speed = "" if args.gold else (f" | forwards/example {summary['nfe_mean']:.1f} | tokens/forward "
                                       f"{summary['tpf']:.2f} | {summary['tokens_per_second']:.1f} tokens/s")
         print(f"{summary['task']}: accuracy {summary['accuracy']:.3f} on {summary['n']}{speed}")
+        if args.recipe:
+            from dllm.eval.recipes import get_recipe
+            published = get_recipe(args.recipe).published
+            print(f"    recipe {args.recipe}: published {published['metric']} {published['value']} "
+                  f"({published['source']})")
         for name, acc in list(summary["accuracy_by_metric"].items())[1:]:
             print(f"    {name}: {acc:.3f}")
         for group, acc in summary["per_group_accuracy"].items():
@@ -309,19 +341,19 @@ def _bench(args) -> int:
         if value < 1:
             raise DllmError(f"{flag} must be at least 1, got {value}")
     check_seed(args.seed)
-    _policies(args)  # bad flags fail before the model loads
+    policies = _policies(args)  # bad flags fail before the model loads
     model, tok = _load(args)
-    sampler, cache = _policies(args, model)
+    settings = _settings(args, model, policies)
+    sampler, cache, lengths = settings.sampler, settings.cache, settings.lengths
     sampler.prepare(tok)  # e.g. AdaBlock's delimiter ids
-    cache = caches.CACHES.create(default_cache(model)) if cache is None else cache
-    lengths = decoding_lengths(model, args.gen_length, args.block_length, args.steps)
     sampler.check_gen_length(lengths["gen_length"])
     total = sum(batch_sizes) * (2 + args.repeats) * lengths["gen_length"]  # warm-up, timed runs, forwards timed
     with _progress(args, total, "bench") as bar:
         for batch_size in batch_sizes:  # one load (and one compilation) for every batch size
             result = bench(model, sampler, cache, **lengths, batch_size=batch_size,
                            prompt_length=args.prompt_length, repeats=args.repeats, seed=args.seed,
-                           callback=lambda info: bar.update(info["committed"]), compile=args.compile)
+                           callback=lambda info: bar.update(info["committed"]), compile=args.compile,
+                           guidance=settings.guidance)
             print(json.dumps(result) if args.json else format_result(result), end="\n" if args.json else "",
                   flush=True)
     return 0
@@ -338,13 +370,8 @@ def _serve_defaults(args) -> dict[str, Any]:
                         f"pip install 'dllm-fast[serve]' (from a checkout: pip install -e '.[serve]')") from None
     if args.max_batch < 1:
         raise DllmError(f"--max-batch must be at least 1, got {args.max_batch}")
-    _policies(args)
-    sampler_args = _key_values(args.sampler_arg, "--sampler-arg")
-    if args.temperature is not None:
-        sampler_args["temperature"] = args.temperature
-    return {"sampler": args.sampler, "sampler_args": sampler_args, "cache": args.cache,
-            "cache_args": _key_values(args.cache_arg, "--cache-arg"), "gen_length": args.gen_length,
-            "block_length": args.block_length, "steps": args.steps, "seed": args.seed}
+    return {**_policies(args), "gen_length": args.gen_length, "block_length": args.block_length, "steps": args.steps,
+            "seed": args.seed}  # the sampler, cache and LLaDA options (checked) and the lengths
 
 
 def _serve_setup(args):
@@ -436,6 +463,8 @@ def _quantize(args) -> int:
 
 
 def _list(args) -> int:
+    if args.what == "recipes":
+        return _list_recipes(args)
     if args.what == "models":
         from .models.loading import describe_models
         entries = describe_models()
@@ -450,6 +479,24 @@ def _list(args) -> int:
         for p in e.get("params", []):
             default = repr(p["default"]) if isinstance(p["default"], str) else p["default"]
             print(f"    {p['name']} ({p['type']}, default {default}): {p['doc']}")
+    return 0
+
+
+def _list_recipes(args) -> int:
+    from dllm.eval.recipes import recipes
+
+    entries = [recipe.describe() for recipe in recipes().values()]
+    if args.json:
+        print(json.dumps(entries))
+        return 0
+    for e in entries:
+        s, p = e["settings"], e["published"]
+        sampler = s["sampler"] + "".join(f",{k}={v}" for k, v in s["sampler_args"].items())
+        options = [f"cfg {s['cfg_scale']}"] if s["cfg_scale"] else []
+        options += [name for name in ("logits_eos_inf", "confidence_eos_eot_inf") if s[name]]
+        print(f"{e['name']}: {e['model']} on {e['task']} ({s['num_fewshot']}-shot{', chat' if s['chat'] else ''}), "
+              f"gen {s['gen_length']}, block {s['block_length']}, steps {s['steps']}, {sampler}, cache "
+              f"{s['cache']}{''.join(', ' + o for o in options)}: {p['metric']} {p['value']} ({p['source']})")
     return 0
 
 
@@ -468,6 +515,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_decoding_flags(g)
     g.add_argument("--json", action="store_true", help="print outputs and statistics as JSON")
     g.add_argument("--trace", metavar="FILE", help="write a JSON line per step (commits, confidences, gaps)")
+    g.add_argument("--explain", action="store_true",
+                   help="print every setting, its value and where it came from (flag, the model's "
+                        "generation_config.json, its family's authors, dllm), and decode nothing")
     g.set_defaults(run=_generate)
     c = sub.add_parser("chat", help="chat on stdin/stdout, a line per turn")
     _add_decoding_flags(c)
@@ -477,6 +527,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(run=_chat)
     e = sub.add_parser("eval", help="score a sampler/cache on a task (JSONL per example + summary.json)")
     e.add_argument("--task", default="synthetic")
+    e.add_argument("--recipe", default=None, help="a published table's settings (`dllm list recipes`); the flags "
+                   "given win over it, --model names the checkpoint's directory")
     _add_decoding_flags(e)
     e.add_argument("--limit", type=int, default=None, help="first N examples only")
     e.add_argument("--batch-size", type=int, default=16)
@@ -492,6 +544,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run generated code without the bubblewrap sandbox (a plain guarded process: contains "
                         "mistakes, not hostile code); only where bwrap cannot be installed")
     e.set_defaults(run=_eval)
+    ap.recipe_parser = e  # `main` sets a recipe's settings as its defaults
     b = sub.add_parser("bench", help="time one sampler/cache: ms per forward by kind, tokens/s, rows computed")
     _add_decoding_flags(b)
     b.add_argument("--batch-size", default="1", help="rows decoded together; several, comma-separated (1,8), "
@@ -542,16 +595,31 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--output", required=True, help="a new directory for the quantized checkpoint")
     q.set_defaults(run=_quantize)
     ls = sub.add_parser("list", help="samplers, caches or models, with parameters and defaults")
-    ls.add_argument("what", choices=("samplers", "caches", "models"))
+    ls.add_argument("what", choices=("samplers", "caches", "models", "recipes"))
     ls.add_argument("--json", action="store_true")
     ls.set_defaults(run=_list)
     return ap
 
 
+def _with_recipe(parser: argparse.ArgumentParser, argv: list[str] | None, name: str):
+    """The eval flags again with recipe `name`'s settings as their defaults: what the command line gives wins."""
+    from dllm.eval.recipes import get_recipe
+
+    recipe = get_recipe(name)
+    parser.recipe_parser.set_defaults(**recipe.flags())
+    args = parser.parse_args(argv)
+    if args.model is None:
+        raise DllmError(f"recipe {name!r} evaluates {recipe.model}; give its local directory with --model")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     warnings.formatwarning = one_line_notice
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
+        if getattr(args, "recipe", None):
+            args = _with_recipe(parser, argv, args.recipe)
         code = args.run(args)
         sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
         return code

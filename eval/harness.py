@@ -26,7 +26,7 @@ from dllm.core.checks import check_int, check_seed
 from dllm.core.errors import DllmError
 from dllm.engine import generate
 from dllm.engine.checks import check_policies
-from dllm.engine.options import decoding_lengths, default_cache, split_params
+from dllm.engine.options import settle
 from dllm.engine.text import encode_prompts
 
 from .tasks import Item, get_task
@@ -34,16 +34,19 @@ from .tasks import Item, get_task
 VERSIONED_PACKAGES = ("dllm-fast", "torch", "transformers", "tokenizers", "accelerate", "torchao")
 
 
-def evaluate(model, tokenizer, task: str, sampler: str | Any = "low_confidence", cache: str | Any = None,
+def evaluate(model, tokenizer, task: str, sampler: str | Any = None, cache: str | Any = None,
              gen_length: int | None = None, block_length: int | None = None, steps: int | None = None,
              limit: int | None = None, batch_size: int = 16, output: str | Path | None = None, seed: int = 0,
              chat: bool | None = None,
              sampler_args: dict | None = None, cache_args: dict | None = None, model_name: str = "",
              data: str | Path | None = None, num_fewshot: int | None = None, gold: bool = False,
-             compile: bool = False, unsafe_exec: bool = False) -> dict[str, Any]:
+             compile: bool = False, unsafe_exec: bool = False, cfg_scale: float = 0.0, logits_eos_inf: bool = False,
+             confidence_eos_eot_inf: bool = False, recipe: str | None = None) -> dict[str, Any]:
     """Decode every item of `task` (or, with `gold`, take its reference solutions), score it and write
     `output/results.jsonl` and `output/summary.json`. Returns the summary. Code tasks run each program in an
-    isolated sandbox (`sandbox`), or with `unsafe_exec` in a plain guarded process."""
+    isolated sandbox (`sandbox`), or with `unsafe_exec` in a plain guarded process. The sampler, cache and
+    lengths default to the model's (`settle`); `cfg_scale`, `logits_eos_inf`, `confidence_eos_eot_inf` are
+    LLaDA's generation options; `recipe` names the recipe the run follows (kept in the configuration)."""
     from accelerate import PartialState
 
     spec = get_task(task)
@@ -58,18 +61,21 @@ def evaluate(model, tokenizer, task: str, sampler: str | Any = "low_confidence",
     items = items[:limit] if limit else items
     config: dict[str, Any] = {"task": task, "num_fewshot": shots, "data": source, "limit": limit,
                               "batch_size": batch_size, "gold": gold}
+    guidance = None
     if not gold:
-        sampler, cache = split_params(sampler, default_cache(model) if cache is None else cache, {}, sampler_args,
-                                      cache_args, model)
+        settings = settle(model, sampler, cache, {}, sampler_args, cache_args, gen_length, block_length, steps,
+                          cfg_scale, logits_eos_inf, confidence_eos_eot_inf)
+        sampler, cache, guidance = settings.sampler, settings.cache, settings.guidance.config()
         check_policies(model, sampler, cache, compile)
         check_seed(seed)
         chat = getattr(tokenizer, "chat_template", None) is not None if chat is None else chat
-        gen_length, block_length, steps = decoding_lengths(model, gen_length, block_length, steps).values()
+        gen_length, block_length, steps = settings.lengths.values()
         sampler.check_gen_length(gen_length)
         _check_context(model, tokenizer, items, chat, gen_length, shots)
         config.update(model=model_name, sampler=sampler.config(), cache=cache.config(), gen_length=gen_length,
                       block_length=block_length, steps=steps, seed=seed, chat=chat, dtype=str(model.dtype),
-                      compile=compile, quantization=model.quantization)
+                      compile=compile, quantization=model.quantization, **guidance,
+                      **({"recipe": recipe} if recipe else {}))
 
     state = PartialState(cpu=model is None or model.device.type != "cuda")
     rank, world = state.process_index, state.num_processes
@@ -103,7 +109,7 @@ def evaluate(model, tokenizer, task: str, sampler: str | Any = "low_confidence",
                 texts, lengths, stats = [it.gold for it in batch], [0] * len(batch), None
             else:
                 texts, lengths, stats = _decode_batch(model, tokenizer, batch, sampler, cache, gen_length,
-                                                      block_length, steps, seed, chat, compile)
+                                                      block_length, steps, seed, chat, compile, guidance)
             missing = [(i, it) for i, it in enumerate(batch) if stale(it, batch)]
             scores = scorer.map(lambda pair: score_text(pair[1], texts[pair[0]]), missing)
             for (i, it), score in zip(missing, scores):
@@ -166,10 +172,10 @@ def _check_context(model, tokenizer, items: list[Item], chat: bool, gen_length: 
 
 
 def _decode_batch(model, tokenizer, batch: list[Item], sampler, cache, gen_length, block_length, steps, seed,
-                  chat, compile) -> tuple[list[str], list[int], Any]:
+                  chat, compile, guidance: dict) -> tuple[list[str], list[int], Any]:
     """Generated texts, their token counts (up to the first stop token) and the batch statistics."""
     out = generate(model, tokenizer, [it.prompt for it in batch], sampler, cache, gen_length, block_length, steps,
-                   seed, chat, compile=compile)
+                   seed, chat, compile=compile, **guidance)
     return out.texts, [len(ids) for ids in out.token_ids], out.stats
 
 

@@ -2,20 +2,24 @@
 tasks.
 
     python -m dllm.eval.lm_eval_model --model dllm --tasks gsm8k --batch_size 8 --model_args \\
-        model=/path/to/LLaDA-8B-Instruct,sampler=threshold,threshold=0.9,cache=dual,gen_length=256,device=cuda
+        pretrained=/path/to/LLaDA-8B-Instruct,sampler=threshold,threshold=0.9,cache=dual,gen_length=256,device=cuda
 
 The command line is lm-eval's own (`pip install 'dllm-fast[lm-eval]'`); lm-eval only finds models that are
 imported, so this module registers `dllm` first. From Python: `import dllm.eval.lm_eval_model`, then
-`lm_eval.simple_evaluate(model="dllm", model_args=...)`. Sampler and cache parameters go in `--model_args` by
-name.
+`lm_eval.simple_evaluate(model="dllm", model_args=...)`. The checkpoint is `pretrained=` (lm-eval's name for it)
+or `model=`; sampler and cache parameters go in `--model_args` by name, and so do LLaDA's generation options
+`cfg_scale` (also for likelihoods; `cfg` is LLaDA's `eval_llada.py` name for it), `logits_eos_inf`,
+`confidence_eos_eot_inf`. Without a sampler the model's own decoding (`dllm generate --explain`).
 
 - generate_until: the answer canvas is the request's `max_gen_toks` rounded up to whole blocks (else
   `gen_length`), the answer cut at `max_gen_toks` tokens and at the first `until` string; a context longer
   than the model's context leaves room for the canvas by losing its start (as lm-eval's HF models). Requests
   are decoded longest first in batches of `batch_size`.
-- loglikelihood: the Monte Carlo ELBO of `dllm.likelihood` with `mc_num` draws (default 128, LLaDA's setting;
-  cost: `mc_num` rows per continuation, `mc_batch_size` per forward), `cfg` guidance (default 0) and the greedy
-  check (`greedy_check`, one forward per continuation token; off saves them and reports False).
+- loglikelihood: the Monte Carlo ELBO of `dllm.engine.likelihood` with `mc_num` draws (default 128, LLaDA's
+  setting; cost: `mc_num` rows per continuation, `mc_batch_size` per forward), `cfg_scale` guidance (default 0)
+  and the greedy check (`greedy_check`, one forward per continuation token, guided as the score; off saves them
+  and reports False). A Dream model is scored as Dream's harness scores it: BOS before the context, EOS after
+  the continuation, Dream's estimator (`likelihood_convention=llada` or `dream` says otherwise).
 - loglikelihood_rolling: the ELBO of each `max_length` window of the text with no context (a bound, per window).
 - Under `accelerate launch` each process takes its share of the requests (lm-eval splits them by `rank`).
 - A `device=cuda` (lm-eval's default) without a GPU falls back to the CPU with a one-line notice.
@@ -71,56 +75,74 @@ class DllmLM(LM):
     """Answers lm-eval requests (objects whose `.args` is `(context, {"until": [...], ...})` for generation,
     `(context, continuation)` for likelihoods, `(text,)` for rolling likelihoods)."""
 
-    def __init__(self, model: str = "tiny-llada", sampler: str = "low_confidence", cache: str | None = None,
+    def __init__(self, model: str | None = None, sampler: str | None = None, cache: str | None = None,
                  gen_length: int | None = None, block_length: int | None = None, steps: int | None = None,
                  seed: int = 0, device: str | None = None, dtype: str | None = None, batch_size: int | str = 1,
-                 max_batch_size: int | None = None, mc_num: int = 128, mc_batch_size: int = 32, cfg: float = 0.0,
-                 greedy_check: bool = True, threads: int | str | None = None, quantize: str | None = None,
+                 max_batch_size: int | None = None, mc_num: int = 128, mc_batch_size: int = 32,
+                 cfg_scale: float | None = None, cfg: float | None = None, logits_eos_inf: bool = False,
+                 confidence_eos_eot_inf: bool = False, greedy_check: bool = True, threads: int | str | None = None,
+                 likelihood_convention: str | None = None, pretrained: str | None = None, quantize: str | None = None,
                  quantize_head: bool = False,
                  **params) -> None:  # lm-eval passes max_batch_size
         super().__init__()
         from accelerate import PartialState
 
         import dllm
+        from dllm import cache as caches
+        from dllm import samplers
         from dllm.core.checks import check_int
-        from dllm.engine.options import decoding_lengths, split_params
+        from dllm.engine.guidance import Guidance
+        from dllm.engine.likelihood import CONVENTIONS, convention_of
+        from dllm.engine.options import settle
 
         if not str(batch_size).isdigit() or int(batch_size) < 1:
             raise DllmError(f"batch_size must be a positive integer, got {batch_size!r}")
-        # checked before the weights load; no cache named: `generate` takes the model's default (none or block,
-        # which take no parameters)
-        self.sampler, named = split_params(sampler, "none" if cache is None else cache, params)
-        self.cache = None if cache is None else named
+        if model is not None and pretrained is not None and model != pretrained:
+            raise DllmError(f"pretrained={pretrained} and model={model} name two checkpoints; give one")
+        if cfg_scale is not None and cfg is not None and float(cfg_scale) != float(cfg):
+            raise DllmError(f"cfg_scale={cfg_scale} and cfg={cfg} (LLaDA's name for it) disagree; give one")
+        scale = next((v for v in (cfg_scale, cfg) if v is not None), 0.0)
+        guidance = Guidance(_number("cfg_scale" if cfg is None else "cfg", scale, float),
+                            _flag("logits_eos_inf", logits_eos_inf),
+                            _flag("confidence_eos_eot_inf", confidence_eos_eot_inf))
+        if likelihood_convention not in (None, *CONVENTIONS):
+            raise DllmError(f"likelihood_convention must be one of {', '.join(CONVENTIONS)}, got "
+                            f"{likelihood_convention!r}")
+        if sampler is not None:  # checked before the weights load (without one: the model's, see below)
+            samplers.SAMPLERS.get(sampler)
+        if cache is not None:
+            caches.CACHES.get(cache)
         device = _device(device)
         state = PartialState(cpu=device == "cpu")
         self._rank, self._world_size = state.process_index, state.num_processes
         if device == "cuda" and self._world_size > 1:
             device = f"cuda:{state.local_process_index}"
-        self.model, self.tokenizer = dllm.load(model, device=device, dtype=dtype,
+        self.model, self.tokenizer = dllm.load(pretrained or model or "tiny-llada", device=device, dtype=dtype,
                                                threads=None if threads is None else _number("threads", threads, int),
                                                quantize=quantize, quantize_head=_flag("quantize_head", quantize_head))
-        # the sampler again, with the model family's defaults (`family_sampler_args`)
-        self.sampler = split_params(sampler, "none" if cache is None else cache, params, model=self.model)[0]
         self._device = self.model.device
         if self._world_size > 1:
             from accelerate import Accelerator
 
             self.accelerator = Accelerator(cpu=self._device.type == "cpu")  # lm-eval gathers through it
-        self.decoding = dict(**decoding_lengths(self.model, gen_length, block_length, steps), seed=seed)
+        settings = settle(self.model, sampler, cache, params, gen_length=gen_length, block_length=block_length,
+                          steps=steps, **guidance.config())
+        self.sampler, self.cache = settings.sampler, settings.cache
+        self.decoding = dict(**settings.lengths, seed=seed, **guidance.config())
         self.batch_size = int(batch_size)
+        self.convention = likelihood_convention or convention_of(self.model)
         self.likelihood = dict(mc_num=check_int("mc_num", _number("mc_num", mc_num, int), 1),
                                batch_size=check_int("mc_batch_size", _number("mc_batch_size", mc_batch_size, int), 1),
-                               cfg_scale=_number("cfg", cfg, float), seed=seed)
+                               cfg_scale=guidance.cfg_scale, seed=seed, convention=self.convention,
+                               bos_id=self.tokenizer.bos_token_id)
         self.greedy_check = _flag("greedy_check", greedy_check)
-        if self.greedy_check and self.likelihood["cfg_scale"]:
-            raise DllmError("greedy_check decodes without classifier-free guidance, so with cfg > 0 it would judge "
-                            "another model; add greedy_check=false to --model_args")
 
     def _canvas(self, max_gen_toks: int | None) -> dict:
         """Decoding lengths for an answer of at most `max_gen_toks` tokens: whole blocks, the same steps per token."""
         from dllm.engine.options import lengths_for_answer
 
-        return lengths_for_answer(self.decoding, max_gen_toks)
+        lengths = {k: self.decoding[k] for k in ("gen_length", "block_length", "steps")}
+        return {**self.decoding, **lengths_for_answer(lengths, max_gen_toks)}
 
     def _log_share(self, kind: str, requests) -> None:
         if self._world_size > 1:
@@ -145,16 +167,16 @@ class DllmLM(LM):
             if max_gen_toks is not None and (isinstance(max_gen_toks, bool) or not isinstance(max_gen_toks, int)
                                              or max_gen_toks < 1):
                 raise DllmError(f"max_gen_toks must be a positive integer, got {max_gen_toks!r}")
-            lengths = self._canvas(max_gen_toks)
-            room = self.model.config.max_length - lengths["gen_length"]
+            decoding = self._canvas(max_gen_toks)
+            room = self.model.config.max_length - decoding["gen_length"]
             if room < 1:
-                raise DllmError(f"an answer canvas of {lengths['gen_length']} tokens leaves no room for a context in "
+                raise DllmError(f"an answer canvas of {decoding['gen_length']} tokens leaves no room for a context in "
                                 f"the model's {self.model.config.max_length}; lower gen_length or max_gen_toks")
             for start in range(0, len(members), self.batch_size):
                 batch = members[start:start + self.batch_size]
                 contexts = encode_prompts(self.tokenizer, [requests[i].args[0] for i in batch], chat=False)
                 out = dllm.generate(self.model, self.tokenizer, [ids[-room:] for ids in contexts], self.sampler,
-                                    self.cache, chat=False, **lengths)  # lm-eval applies the chat template itself
+                                    self.cache, chat=False, **decoding)  # lm-eval applies the chat template itself
                 for i, ids in zip(batch, out.token_ids):
                     ids = ids[:int(max_gen_toks)] if max_gen_toks else ids
                     text = answer_text(self.tokenizer, ids)
@@ -183,7 +205,8 @@ class DllmLM(LM):
         if whole[:len(stripped)] != stripped and whole[:len(own := ids(context))] == own:
             prefix = own
         cfg = self.model.config
-        room = cfg.max_length - 2 * (cfg.block_size or 0) - (len(whole) - len(prefix))
+        room = cfg.max_length - 2 * (cfg.block_size or 0) - (len(whole) - len(prefix)) \
+            - 2 * (self.convention == "dream")  # Dream's BOS and EOS
         return prefix[max(0, len(prefix) - room):], whole[len(prefix):]
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
@@ -194,7 +217,11 @@ class DllmLM(LM):
         for request in tqdm(requests, disable=disable_tqdm, desc="dllm loglikelihood"):
             prefix, target = self._encode_pair(*request.args)
             score = elbo(self.model, prefix, target, **self.likelihood)
-            results.append((score, self.greedy_check and bool(prefix) and is_greedy(self.model, prefix, target)))
+            if self.convention == "dream" and self.tokenizer.bos_token_id is not None:
+                prefix = [self.tokenizer.bos_token_id, *prefix]  # the greedy check sees the context as scored
+            greedy = self.greedy_check and bool(prefix) and is_greedy(self.model, prefix, target,
+                                                                      self.likelihood["cfg_scale"])
+            results.append((score, greedy))
         return results
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
@@ -205,7 +232,7 @@ class DllmLM(LM):
         results = []
         for request in tqdm(requests, disable=disable_tqdm, desc="dllm loglikelihood_rolling"):
             ids = encode_text(self.tokenizer, request.args[0], "a request")
-            results.append(sum(elbo(self.model, [], ids[i:i + window], **self.likelihood)
+            results.append(sum(elbo(self.model, [], ids[i:i + window], **{**self.likelihood, "convention": "llada"})
                                for i in range(0, len(ids), window)))
         return results
 

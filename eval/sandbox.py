@@ -15,6 +15,17 @@ file-size limit, so nothing the program leaves behind can hold the scorer.
 Without a working bwrap nothing runs unless `unsafe=True` (`dllm eval --unsafe-exec`): the program then runs
 in a plain child process with the same limits and an audit hook against writes outside its directory and new
 processes, which contains mistakes of generated code but is no boundary against hostile code.
+
+Tests given apart from the program (`run_python(program, tests=...)`, as the scorers do) run against the interpreter
+as it started: whatever the program changed in the modules loaded before it (`builtins.abs = ...`, `math.isclose =
+...`, `sys.stdout`) is put back and the modules it imported are dropped, and the tests run in a namespace of their
+own, which holds the program's names (the modules it imported afresh) but never one that shadows a builtin
+(`isinstance = ...`) unless the tests call it as the function under test (`keep`, e.g. MBPP's `sum`), nor the
+program's `__builtins__`. So a program
+cannot pass by patching what the asserts use (a reward hack); one that rewrites the harness's own frames
+(`sys._getframe`, `gc`, `ctypes`) is out of this check's reach, as is the end marker, which lives in the
+interpreter's memory (it is read from stdin, not the command line), and so are the tests (on no file the program
+could read).
 """
 from __future__ import annotations
 
@@ -87,19 +98,43 @@ del guard
 
 # The program runs as a module, not as __main__ (as the HumanEval and MBPP harnesses exec it: a `__main__` block of
 # generated code does not run), and passes only by reaching its end: a sys.exit(0) before the tests is a failure.
-# Reaching the end writes a number drawn for this run to stdout, so no fixed exit code or text can fake it.
+# Reaching the end writes a number drawn for this run to stdout, so no fixed exit code or text can fake it. Tests
+# given apart run after every module the program changed is put back (see the module docstring).
 RAN_TO_THE_END = 86
 _RUN = r"""
 sys.argv = ["program.py"]
-with open(PROGRAM) as f:
-    source = f.read()
-exec(compile(source, "program.py", "exec"), {"__name__": "program"})
-import os
-os.write(1, b"\n%s")
-os._exit(%d)
+def run():
+    import os, sys
+    exec_, compile_, open_, set_, vars_ = exec, compile, open, set, vars  # as they are before the program runs
+    modules = sys.modules
+    before = tuple((name, module, tuple(vars_(module).items())) for name, module in modules.items()
+                   if name != "__main__" and type(module) is type(sys))
+    with open_(%(program)r) as f:
+        source = f.read()
+    program = {"__name__": "program"}
+    exec_(compile_(source, "program.py", "exec"), program)
+    if %(tests)r is not None:
+        for name, module, attributes in before:  # builtins, sys, os, ... as they were
+            vars_(module).clear()
+            vars_(module).update(attributes)
+        for name in set_(modules) - {name for name, _, _ in before} - {"__main__"}:
+            del modules[name]
+        for name, module, _ in before:
+            modules[name] = module
+        sys.settrace(None)
+        sys.setprofile(None)
+        import builtins
+        names = {k: v for k, v in program.items() if k in %(keep)r or k not in vars_(builtins)}
+        for k, v in names.items():  # a module the program imported, imported afresh
+            if type(v) is type(os) and v.__name__ not in modules:
+                __import__(v.__name__)
+                names[k] = modules[v.__name__]
+        names.update(__builtins__=builtins, __name__="tests")
+        exec_(compile_(%(tests)r, "tests.py", "exec"), names)
+    os.write(1, b"\n%(end)s")
+    os._exit(%(code)d)
+run()
 """
-
-
 @dataclass(frozen=True)
 class Outcome:
     passed: bool
@@ -161,7 +196,7 @@ def isolation_problem() -> str | None:
     """Why programs cannot be isolated here (None when they can): bwrap missing, or failing to start."""
     if shutil.which("bwrap") is None:
         return "bubblewrap (bwrap) is not installed"
-    outcome = _run_isolated("import sys", 10.0, MEMORY_MB)
+    outcome = _run_isolated("import sys", None, (), 10.0, MEMORY_MB)
     return None if outcome.passed else f"bwrap cannot start a sandbox here ({outcome.detail})"
 
 
@@ -173,45 +208,59 @@ def check(unsafe: bool = False) -> None:
 
 
 def run_python(source: str, timeout: float = TIMEOUT_SECONDS, memory_mb: int = MEMORY_MB,
-               unsafe: bool = False) -> Outcome:
-    """Run `source` as a program; it passes when it runs to its end within `timeout` seconds."""
+               unsafe: bool = False, tests: str | None = None, keep: tuple[str, ...] = ()) -> Outcome:
+    """Run `source` as a program, then `tests` against it with the interpreter as it started (module docstring;
+    `keep`: names of the program the tests use even where they shadow a builtin); it passes when it runs to its
+    end within `timeout` seconds."""
     check(unsafe)
-    return _run_guarded(source, timeout, memory_mb) if unsafe else _run_isolated(source, timeout, memory_mb)
+    run = _run_guarded if unsafe else _run_isolated
+    return run(source, tests, tuple(keep), timeout, memory_mb)
+
+
 
 
 def _limits(timeout: float, memory_mb: int, processes: int) -> list[str]:
     return [str(memory_mb << 20), str(math.ceil(timeout) + 1), str(MAX_FILE_MB << 20), str(processes)]
 
 
-def _run_isolated(source: str, timeout: float, memory_mb: int) -> Outcome:
+def _run(program: str, tests: str | None, keep: tuple[str, ...], end: str) -> str:
+    """The script after the limits: the program's path; the tests as text in the script, on no file the program
+    could read."""
+    return _RUN % {"program": program, "tests": tests, "keep": keep, "end": end, "code": RAN_TO_THE_END}
+
+
+def _run_isolated(source: str, tests: str | None, keep: tuple[str, ...], timeout: float, memory_mb: int) -> Outcome:
     with tempfile.TemporaryDirectory(prefix="dllm-sandbox-") as host_dir:
         program = Path(host_dir, "program.py")
         program.write_text(source)
         os.chmod(host_dir, 0o755)  # readable by the sandbox's uid
         os.chmod(program, 0o644)
         end = secrets.token_hex(16)
-        preamble = _LIMITS + "PROGRAM = '/sandbox/program.py'\n" + _RUN % (end, RAN_TO_THE_END)
-        cmd = _bwrap_command(host_dir) + ["-I", "-S", "-B", "-c", preamble, *_limits(timeout, memory_mb,
-                                                                                   MAX_PROCESSES)]
-        return _wait(cmd, None, {}, timeout, end)
+        script = _LIMITS + _run("/sandbox/program.py", tests, keep, end)
+        cmd = _bwrap_command(host_dir) + ["-I", "-S", "-B", "-", *_limits(timeout, memory_mb, MAX_PROCESSES)]
+        return _wait(cmd, None, {}, timeout, end, script)
 
 
-def _run_guarded(source: str, timeout: float, memory_mb: int) -> Outcome:
+def _run_guarded(source: str, tests: str | None, keep: tuple[str, ...], timeout: float, memory_mb: int) -> Outcome:
     with tempfile.TemporaryDirectory(prefix="dllm-sandbox-") as tmp:
         Path(tmp, "program.py").write_text(source)
         env = {"PATH": os.defpath, "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1"}
         end = secrets.token_hex(16)
-        preamble = _LIMITS + _GUARD + "PROGRAM = 'program.py'\n" + _RUN % (end, RAN_TO_THE_END)
-        cmd = [sys.executable, "-I", "-B", "-c", preamble, *_limits(timeout, memory_mb, 0)]
-        return _wait(cmd, tmp, env, timeout, end)
+        script = _LIMITS + _GUARD + _run("program.py", tests, keep, end)
+        cmd = [sys.executable, "-I", "-B", "-", *_limits(timeout, memory_mb, 0)]
+        return _wait(cmd, tmp, env, timeout, end, script)
 
 
-def _wait(cmd: list[str], cwd: str | None, env: dict[str, str], timeout: float, end: str) -> Outcome:
-    """Run `cmd` in its own session with stdout and stderr in files; kill the session at `timeout`. It passed
-    when it exited with RAN_TO_THE_END and the last stdout line is `end`."""
+def _wait(cmd: list[str], cwd: str | None, env: dict[str, str], timeout: float, end: str, script: str) -> Outcome:
+    """Run `cmd`, which reads `script` from stdin (so the end marker is on no command line), in its own session
+    with stdout and stderr in files; kill the session at `timeout`. It passed when it exited with RAN_TO_THE_END
+    and the last stdout line is `end`."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=out, stderr=err,
                                 start_new_session=True)
+        with contextlib.suppress(BrokenPipeError):  # a script that fails to start need not read it all
+            proc.stdin.write(script.encode())
+            proc.stdin.close()
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

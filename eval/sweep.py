@@ -14,7 +14,7 @@ from typing import Any
 from dllm.core.errors import DllmError
 from dllm.engine import generate
 from dllm.engine.checks import check_policies
-from dllm.engine.options import decoding_lengths, default_cache, split_params
+from dllm.engine.options import decoding_lengths, default_cache, model_sampler, split_params
 
 from .harness import evaluate
 
@@ -78,8 +78,9 @@ def run_sweep(model, tokenizer, task: str, points: list[str], output: str | Path
         point = parse_point(spec)
         point_sampler = point.pop("sampler", sampler)
         point_cache = point.pop("cache", cache)
-        s, c = split_params(point_sampler, point_cache, point, sampler_args if point_sampler == sampler else None,
-                            cache_args if point_cache == cache else None, model)
+        point_sampler, point_args = model_sampler(model, point_sampler,
+                                                  sampler_args if point_sampler == sampler else None)
+        s, c = split_params(point_sampler, point_cache, point, point_args, cache_args if point_cache == cache else None)
         check_policies(model, s, c, eval_args.get("compile", False))
         policies.append((spec, s, c))
     # a warm-up decode, so that the first point's tokens/s does not pay for it

@@ -28,6 +28,7 @@ class Item:
     group: str  # per-group accuracy (synthetic family, MATH subject)
     gold: str  # the reference solution as model output
     setup: str = ""  # code that precedes the generated program (HumanEval's prompt, MBPP's imports)
+    tested: tuple[str, ...] = ()  # the program's functions the tests call (code tasks), even one named like a builtin
 
 
 @dataclass(frozen=True)
@@ -166,7 +167,15 @@ def _fenced(text: str) -> str | None:
 
 
 def _run_tests(item: Item, code: str, unsafe_exec: bool) -> bool:
-    return sandbox.run_python(f"{item.setup}{code}\n\n{item.reference}", unsafe=unsafe_exec).passed
+    """The program (setup + code), then the tests against the interpreter as it started (`sandbox`)."""
+    return sandbox.run_python(f"{item.setup}{code}\n", tests=item.reference, keep=item.tested,
+                              unsafe=unsafe_exec).passed
+
+
+def _tested(tests: str, gold: str) -> tuple[str, ...]:
+    """The functions the reference solution defines at its top level that the tests call (MBPP 126's is `sum`)."""
+    defined = set(re.findall(r"^def (\w+)\(", gold, re.M))
+    return tuple(sorted(defined & set(re.findall(r"(\w+)\(", tests))))
 
 
 def _humaneval_items(data: str | None, k: int) -> tuple[list[Item], str]:
@@ -174,7 +183,7 @@ def _humaneval_items(data: str | None, k: int) -> tuple[list[Item], str]:
     rows, source = sources.load("humaneval-test", data)
     sources.require_fields(rows, ("task_id", "prompt", "canonical_solution", "test", "entry_point"), source)
     items = [Item(r["task_id"], r["prompt"], f"{r['test']}\n\ncheck({r['entry_point']})\n", "humaneval",
-                  r["canonical_solution"], setup=r["prompt"]) for r in rows]
+                  r["canonical_solution"], setup=r["prompt"], tested=(r["entry_point"],)) for r in rows]
     return items, source
 
 
@@ -199,7 +208,8 @@ def _mbpp_items(data: str | None, k: int) -> tuple[list[Item], str]:
     shots, _ = sources.load("mbpp-prompt") if k else ([], "")
     context = "".join(f"{_mbpp_query(s)}{s['code']}\n[DONE]\n\n" for s in _shots(shots, k, "mbpp"))
     items = [Item(f"mbpp-{r['task_id']}", context + _mbpp_query(r), "\n".join(r["test_list"]) + "\n", "mbpp",
-                  r["code"], setup="".join(f"{line}\n" for line in r.get("test_imports", []))) for r in rows]
+                  r["code"], setup="".join(f"{line}\n" for line in r.get("test_imports", [])),
+                  tested=_tested("\n".join(r["test_list"]), r["code"])) for r in rows]
     return items, source
 
 

@@ -2,13 +2,15 @@
 
 Deliberate difference from every reference sampler (ML-GSAI/LLaDA `generate`, NVlabs/Fast-dLLM
 `get_transfer_index` / `get_transfer_index_dynamic`, Dream `_sample` / `sample_tokens`): the decode loop sets the
-MASK token's logit to -inf before a sampler sees the logits (`dllm/engine.py`), so MASK is never proposed and
+MASK token's logit to -inf before a sampler sees the logits (`dllm/engine/runner.py`), so MASK is never proposed and
 confidences are softmax probabilities over the other tokens. The references use the full vocabulary: they can
 propose MASK, and "committing" it leaves the position masked."""
 from __future__ import annotations
 
 import copy
 import math
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any, Callable, ClassVar
@@ -79,6 +81,8 @@ class Sampler(Params):
     may_commit_nothing: ClassVar[bool] = False  # a step before the block's last may commit nothing (Dream's origin)
     batch_params: ClassVar[tuple[str, ...]] = ()  # numeric parameters the rows of a batch share (they set the logits
     # the batch computes); the others may differ per row (`stack_rows`)
+    orders_by_token_probability: ClassVar[bool] = True  # commits in the order of `token_probability` (or at random),
+    # so LLaDA's `confidence_eos_eot_inf` (`scoring_without`) reaches its choice
     temperature: float = param(0.0, "sampling temperature (0 = greedy)", ge=0.0)
 
     def step(self, ctx: StepContext) -> Commit:
@@ -220,12 +224,33 @@ def gumbel_argmax(logits: Tensor, temperature: Any, generators: list[torch.Gener
     return (logits.double() + per_row(temperature, gumbel) * gumbel).argmax(-1)
 
 
+_UNSCORED: ContextVar[Tensor | None] = ContextVar("dllm_unscored_tokens", default=None)
+
+
+@contextmanager
+def scoring_without(token_ids: Tensor | None):
+    """While the decode loop runs a step under LLaDA's `confidence_eos_eot_inf`, `token_probability` scores
+    every position as if `token_ids` (EOS, EoT; or a `[B, V]` mask, each row's own) had logit -inf: a position
+    predicting one of them gets probability 0 and the others' probabilities leave out their mass (ML-GSAI/LLaDA
+    `generate.py`)."""
+    token = _UNSCORED.set(token_ids)
+    try:
+        yield
+    finally:
+        _UNSCORED.reset(token)
+
+
 def token_probability(logits: Tensor, tokens: Tensor) -> Tensor:
-    """Softmax probability of `tokens` under the (noise-free) logits, as exp(logit - logsumexp) in fp32: no
-    float64 softmax over the whole vocabulary (the references' choice); equal to it within 5e-6 relative (a
-    confidence that close to a threshold may fall on the other side of it)."""
+    """Softmax probability of `tokens` under the (noise-free) logits: the softmax in fp32, gathered, as
+    ML-GSAI/LLaDA `generate.py` and NVlabs/Fast-dLLM compute their confidences (Fast-dLLM in fp64), so that
+    near-tied confidences order as theirs do (`tests/test_reference_rules.py`). See `scoring_without`."""
     logits = logits.float()
-    return (logits.gather(-1, tokens[..., None])[..., 0] - logits.logsumexp(-1)).exp()
+    unscored = _UNSCORED.get()
+    if unscored is not None and unscored.dim() == 2:  # a mask per row
+        logits = logits.masked_fill(unscored.view(len(unscored), *[1] * (logits.dim() - 2), -1), float("-inf"))
+    elif unscored is not None:
+        logits = logits.index_fill(-1, unscored, float("-inf"))
+    return logits.softmax(-1).gather(-1, tokens[..., None])[..., 0]
 
 
 def top_k_per_row(confidence: Tensor, eligible: Tensor, k: Tensor) -> Tensor:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -62,6 +63,8 @@ class EntropyBounded(Sampler):
     """SDAR's entropy-bounded rule (JetAstra's engine, `entropy_bounded`, bound 0.35): order the block's masked
     positions by the entropy of their predicted distribution, lowest first, and commit the longest prefix
     whose entropies sum below the bound (at least one)."""
+
+    orders_by_token_probability: ClassVar[bool] = False  # by entropy
 
     bound: float = param(0.35, "commit the lowest-entropy positions while their entropies sum below this (nats)",
                          gt=0.0)

@@ -24,6 +24,8 @@ from .base import (Commit, Sampler, StepContext, each_value, per_row, row_values
 
 @dataclass
 class _DreamSampler(Sampler):
+    orders_by_token_probability: ClassVar[bool] = False  # by Dream's own confidences of the truncated distribution
+
     top_p: float | None = param(None, "nucleus sampling mass (None = off)", gt=0.0, le=1.0)
     top_k: int | None = param(None, "keep only the k most likely tokens (None = off)", ge=1)
     eps: float = param(1e-3, "terminal time of the grid linspace(1, eps, steps + 1)", gt=0.0, lt=1.0)

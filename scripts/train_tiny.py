@@ -39,6 +39,7 @@ from dllm import samplers as samplers_mod
 from dllm.engine import decode, generate
 from dllm.eval.synthetic import CHARSET, FAMILIES, make_split, score, training_format
 from dllm.models import ModelConfig
+from dllm.models.generation import GenerationConfig
 from dllm.models.loading import build_model, init_random, save_pretrained
 from dllm.models.tokenizer import build_tokenizer
 
@@ -364,7 +365,8 @@ def main(argv: list[str] | None = None) -> None:
                 tqdm.write("  low_confidence_dynamic: " + " ".join(f"{k} {v:.2f}" for k, v in acc.items()))
     model.eval()
     # trained on single turns (`dllm chat` starts each afresh) of these prompts (others get a notice)
-    model.generation_defaults = {"multi_turn": False, **training_format([f for f in FAMILIES if mix.get(f, 0) > 0])}
+    model.generation_defaults = GenerationConfig({"multi_turn": False,
+                                                  **training_format([f for f in FAMILIES if mix.get(f, 0) > 0])})
     save_pretrained(model, tok, out)
     print(f"saved {out} after {(time.time() - began) / 60:.1f} min")
 

@@ -254,9 +254,9 @@ def test_generation_config_of_the_model_directory_wins(tmp_path):
     assert out.sequences.shape[1] - 2 == 16 and {s["block"] for s in out.trace} == {0, 1}
     assert dllm.generate(loaded, tok, ["hi"], chat=False, gen_length=32).sequences.shape[1] - 2 == 32  # caller wins
     (tmp_path / "generation_config.json").write_text(json.dumps({"steps": 512}))  # Dream's default, no length
-    assert "steps" not in dllm.load(str(tmp_path))[0].generation_defaults  # not applied to our 64 tokens
+    assert "steps" not in dllm.load(str(tmp_path))[0].generation_defaults.values  # not applied to our 64 tokens
     (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 16, "steps": 8}))
-    assert dllm.load(str(tmp_path))[0].generation_defaults == {"gen_length": 16, "steps": 8}
+    assert dllm.load(str(tmp_path))[0].generation_defaults.values == {"gen_length": 16, "steps": 8}
     loaded = dllm.load(str(tmp_path))[0]  # the file's steps go with its length only
     assert decoding_lengths(loaded)["steps"] == 8 and decoding_lengths(loaded, 32)["steps"] is None
     (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 12, "block_length": 8}))

@@ -246,11 +246,12 @@ def _tinycopy_task(folder, count: int) -> None:
 
 
 def test_lm_eval_command_line(tmp_path):
+    """lm-eval's own command line with its HF convention, `pretrained=`, on the shipped tiny model (README)."""
     pytest.importorskip("lm_eval")
     _tinycopy_task(tmp_path, 3)
     run = subprocess.run([sys.executable, "-m", "dllm.eval.lm_eval_model", "--model", "dllm", "--device", "cpu",
-                          "--model_args", "model=random:llada-tiny,sampler=threshold,threshold=0.9,cache=dual,"
-                          "gen_length=16,block_length=8", "--tasks", "tinycopy", "--include_path", str(tmp_path)],
+                          "--model_args", "pretrained=tiny-llada,sampler=threshold,threshold=0.9,cache=dual,"
+                          "gen_length=32,block_length=32", "--tasks", "tinycopy", "--include_path", str(tmp_path)],
                          cwd=ROOT, env=ONE_THREAD, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and "tinycopy" in run.stdout and "exact_match" in run.stdout, run.stderr[-2000:]
 

@@ -20,7 +20,7 @@ from dllm.cache import CACHES
 from dllm.engine.canvas import Canvas
 from dllm.engine.likelihood import elbo
 from dllm.engine.loop import decode
-from dllm.engine.options import decoding_lengths
+from dllm.engine.options import decoding_lengths, settle
 from dllm.models import PRESETS, diffusion_gemma
 from dllm.models.gemma import DiffusionGemma
 from dllm.models.loading import build_model, checkpoint_state, save_pretrained
@@ -154,7 +154,7 @@ def test_loading(pair):
     row, and our checkpoint names round-trip."""
     ref, model, path = pair
     assert isinstance(model, DiffusionGemma) and model.config.mask_id is None
-    assert model.config.stop_ids == (1, 7) and model.generation_defaults == {"gen_length": 32}
+    assert model.config.stop_ids == (1, 7) and model.generation_defaults.values == {"gen_length": 32}
     for i, layer in enumerate(model.layers):
         assert layer.encoder_scale.item() == ref.model.encoder.language_model.layers[i].layer_scalar.item()
         assert layer.decoder_scale.item() == ref.model.decoder.layers[i].layer_scalar.item()
@@ -260,6 +260,15 @@ def test_defaults_come_from_generation_config(pair, tmp_path):
     assert out.sampler == {"name": "entropy_bound", "bound": 0.2, "t_max": 0.9, "t_min": 0.3, "stability": 0,
                            "confidence": 0.01}
     assert out.cache["name"] == "block" and out.stats.nfe <= 10
+    explained = settle(model, params={"stability": 0}).explain()  # where each came from (dllm generate --explain)
+    assert set(explained["generation_config.json"]) == set(json.loads((directory / "generation_config.json")
+                                                                      .read_text()))
+    settings = explained["settings"]
+    assert settings["sampler.t_min"] == {"value": 0.3, "from": "generation_config.json (t_min)"}
+    assert settings["sampler.confidence"] == {"value": 0.01, "from": "generation_config.json (confidence_threshold)"}
+    assert settings["sampler.stability"] == {"value": 0, "from": "caller"}
+    assert settings["sampler.bound"]["from"].startswith("diffusion_gemma authors' decoding")
+    assert settings["steps"]["value"] == 10 and settings["steps"]["from"].startswith("diffusion_gemma authors'")
     assert dllm.generate(model, tok, ["hi"], "entropy_bound", steps=4, stop_early=False).stats.nfe <= 4
     (directory / "generation_config.json").write_text(json.dumps({"t_min": "cold"}))
     with pytest.raises(DllmError, match="t_min must be float, got 'cold' \\(from the model's generation_config"):

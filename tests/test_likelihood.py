@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import random_model
 
 import dllm
@@ -47,7 +48,7 @@ def test_monte_carlo_elbo_matches_every_mask_pattern_enumerated(which, tiny_llad
     model = tiny_llada[0] if which == "tiny-llada" else random_model(which, std=0.05)
     prefix, target = [7, 8, 9, 10, 11], ([28, 29, 30] if which == "tiny-llada" else [12, 13, 14])
     exact = exact_elbo(model, prefix, target)
-    estimate = elbo(model, prefix, target, mc_num=4096, batch_size=512)
+    estimate = elbo(model, prefix, target, mc_num=4096, batch_size=512, convention="llada")
     assert abs(estimate - exact) < (0.6 if which == "tiny-llada" else 0.04), (estimate, exact)
     if model.config.causal_prefix:  # the mask took effect: a bidirectional context gives another bound
         other = DiffusionLM(dataclasses.replace(model.config, causal_prefix=False))
@@ -121,8 +122,71 @@ def test_lm_eval_pairs_move_the_contexts_trailing_spaces_to_the_continuation():
     (score, greedy), = sdar.loglikelihood([SimpleNamespace(args=("copy: " + "ab" * 200, "#### x"))],
                                            disable_tqdm=True)
     assert score < 0 and greedy is False
-    with pytest.raises(DllmError, match="add greedy_check=false to --model_args"):
-        _lm(model="tiny-llada", cfg=1.0)
+
+
+def test_the_checkpoint_is_pretrained_or_model_and_cfg_is_cfg_scale():
+    """lm-eval's HF convention names the checkpoint `pretrained=`; `model=` stays; LLaDA's `cfg` is `cfg_scale`,
+    which also guides the greedy check now that decoding takes it."""
+    lm = _lm(pretrained="tiny-llada", mc_num=4, cfg=0.5)
+    assert lm.model.config.arch == "llada" and lm.likelihood["cfg_scale"] == 0.5 == lm.decoding["cfg_scale"]
+    request = SimpleNamespace(args=("copy: ab\n", "#### ab"))
+    assert lm.loglikelihood([request], disable_tqdm=True)[0][0] < 0
+    assert _lm(model="tiny-llada", pretrained="tiny-llada").model.config.arch == "llada"
+    with pytest.raises(DllmError, match="name two checkpoints; give one"):
+        _lm(model="tiny-llada", pretrained="tiny-dream")
+    with pytest.raises(DllmError, match="disagree; give one"):
+        _lm(model="tiny-llada", cfg=1.0, cfg_scale=2.0)
+    with pytest.raises(DllmError, match="likelihood_convention must be one of llada, dream"):
+        _lm(model="tiny-llada", likelihood_convention="ar")
+
+
+def dream_reference_nll(model, tokenizer, context: str, continuation: str, mc_num: int, batch_size: int,
+                        generator) -> float:
+    """DreamLM/Dream `eval/eval.py` with add_bos_token=true, log_type 'ftb', nll_type 'mc', step by step:
+    `_encode_pair` (BOS text before the context, its trailing spaces moved to the continuation, EOS id after the
+    whole), then `_eval_target_nll_mc`: per batch one uniform u0, t = (u0 + i / b) % 1, p_mask = (1 - eps) t + eps,
+    each position masked when a uniform falls below it, the first and last never; only the target noised; the
+    loss of each masked token over its p_mask, summed over the batch / b; the mean over the batches. The random
+    numbers come from `generator` in the order the reference draws them from torch's."""
+    context = tokenizer.bos_token + context
+    spaces = len(context) - len(context.rstrip())
+    if spaces > 0:
+        continuation, context = context[-spaces:] + continuation, context[:-spaces]
+    whole = tokenizer(context + continuation, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    prefix_ids = tokenizer(context, add_special_tokens=False)["input_ids"]
+    prefix, target = torch.tensor(prefix_ids), torch.tensor(whole[len(prefix_ids):])
+    seq = torch.cat([prefix, target])[None, :].repeat(batch_size, 1)
+    losses = []
+    for _ in range(max(mc_num // batch_size, 1)):
+        b, length = seq.shape
+        u0 = torch.rand(1, generator=generator, dtype=torch.float32)
+        t = (u0 + torch.arange(b).float() / b) % 1
+        p_mask = ((1 - 1e-3) * t + 1e-3)[:, None].repeat(1, length)
+        mask_indices = torch.rand((b, length), generator=generator) < p_mask
+        mask_indices[:, 0] = False
+        mask_indices[:, -1] = False
+        noisy = torch.where(mask_indices, model.config.mask_id, seq)
+        perturbed = seq.clone()
+        perturbed[:, -len(target):] = noisy[:, -len(target):]
+        masked = perturbed == model.config.mask_id
+        logits = model(perturbed)  # aligned: our forward applies Dream's shift
+        loss = F.cross_entropy(logits[masked], seq[masked], reduction="none") / p_mask[masked]
+        losses.append((loss.sum() / batch_size).item())
+    return sum(losses) / len(losses)
+
+
+def test_a_dream_model_is_scored_as_dreams_harness_scores_it():
+    """The lm-eval adapter on tiny-dream equals the transcription of Dream's harness draw for draw; LLaDA's
+    convention (no BOS, no EOS, its estimator) gives another number."""
+    lm = _lm(model="tiny-dream", mc_num=64, mc_batch_size=16, greedy_check=False, seed=5)
+    context, continuation = "reverse: k3x9 ", "#### 9x3k"
+    (score, _), = lm.loglikelihood([SimpleNamespace(args=(context, continuation))], disable_tqdm=True)
+    want = -dream_reference_nll(lm.model, lm.tokenizer, context, continuation, 64, 16, torch.Generator().manual_seed(5))
+    assert score == pytest.approx(want, rel=1e-6)
+    llada = _lm(model="tiny-dream", mc_num=64, mc_batch_size=16, greedy_check=False, seed=5,
+                likelihood_convention="llada")
+    assert llada.loglikelihood([SimpleNamespace(args=(context, continuation))], disable_tqdm=True)[0][0] != \
+        pytest.approx(score, rel=1e-3)
 
 
 def _lm(**args):

@@ -41,9 +41,10 @@ def scores(stdout: str) -> dict[str, float]:
 
 
 def test_the_packaged_tasks_run_offline_on_the_tiny_model():
-    """Offline, in seconds; the generation task scores what `dllm eval --task synthetic` scores on those items."""
+    """Offline, in seconds, named as lm-eval's HF models are (`pretrained=`, README's line); the generation task
+    scores what `dllm eval --task synthetic` scores on those items."""
     pytest.importorskip("lm_eval")
-    run = subprocess.run(LM_EVAL + ["--model_args", "model=tiny-llada,sampler=threshold,cache=dual,mc_num=8,"
+    run = subprocess.run(LM_EVAL + ["--model_args", "pretrained=tiny-llada,sampler=threshold,cache=dual,mc_num=8,"
                                     "greedy_check=false", "--tasks", "dllm_synthetic,dllm_synthetic_mc",
                                     "--include_path", str(TASKS), "--apply_chat_template", "--limit", "5"],
                          cwd=ROOT, env=OFFLINE, capture_output=True, text=True, timeout=300)

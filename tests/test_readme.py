@@ -48,6 +48,9 @@ def run_line(line: str, monkeypatch, capsys) -> tuple[list[str], str]:
 def test_shell_example_answers_right(line, monkeypatch, capsys, tmp_path):
     monkeypatch.chdir(tmp_path)  # --trace files land here
     prompts, out = run_line(line, monkeypatch, capsys)
+    if "--explain" in line:  # the settings and where they came from, no answer
+        assert re.search(r"sampler = 'low_confidence' +\(dllm default\)", out) and "generation_config.json" in out
+        return
     texts = [o["text"] for o in json.loads(out)["outputs"]] if "--json" in line else out.splitlines()
     assert [extract_answer(t) for t in texts] == [solve(p) for p in prompts], line
 

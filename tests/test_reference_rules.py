@@ -204,3 +204,53 @@ def test_sampled_tokens_are_scored_by_the_tempered_distribution(name):
     out = samplers.SAMPLERS.create(name, temperature=0.5).step(ctx)
     want = (logits / 0.5).double().softmax(-1).gather(-1, out.tokens[..., None])[..., 0]
     assert torch.allclose(out.confidence.double(), want, rtol=1e-5)
+
+
+def near_tied_logits(rows: int, seed: int) -> torch.Tensor:
+    """Logits of a vocabulary of 500 whose best candidates sit within a few fp32 ulps of each other (the logit
+    scale of a sharp model: LLaDA's head scaled by 30), or saturate to probability 1."""
+    g = torch.Generator().manual_seed(seed)
+    logits = 30 * torch.randn(rows, C, 500, generator=g)
+    top = logits.amax(-1, keepdim=True)
+    near = torch.rand(rows, C, 1, generator=g) < 0.5
+    return torch.where(near & (torch.rand(rows, C, 500, generator=g) < 0.01), top - 1e-5 * torch.rand(
+        rows, C, 500, generator=g), logits)
+
+
+def llada_confidence(logits, x0):
+    """ML-GSAI/LLaDA `generate.py` (low_confidence): `p = F.softmax(logits, dim=-1)`, gathered at `x0`; the logits
+    are fp32 here as in every CPU test (bf16 on its GPUs)."""
+    p = torch.nn.functional.softmax(logits, dim=-1)
+    return torch.squeeze(torch.gather(p, dim=-1, index=torch.unsqueeze(x0, -1)), -1)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_token_probability_is_the_references_softmax_then_gather(seed):
+    """Bit for bit: near-tied confidences then order as the reference's do (issue #34: exp(logit - logsumexp)
+    rounded differently and swapped near-tied positions in 2 of 10 answers of a sharp model)."""
+    logits = near_tied_logits(200, seed)
+    x0 = logits.argmax(-1)
+    ours, theirs = token_probability(logits, x0), llada_confidence(logits, x0)
+    assert torch.equal(ours, theirs)
+    old_rule = (logits.gather(-1, x0[..., None])[..., 0] - logits.logsumexp(-1)).exp()
+    assert not torch.equal(old_rule, theirs)  # the rule this replaced rounds otherwise on these logits
+
+
+def test_low_confidence_picks_what_llada_picks_on_near_ties():
+    """One step of low_confidence against the reference's top-k of those confidences, on rows with exact and
+    near ties; exact ties go to the lowest position (the reference's `torch.topk` leaves their order to the
+    implementation: with torch 2.13 on a CPU, `topk([-inf, -inf, -inf, 1, -inf, -inf, -inf, 1], 1)` returns
+    position 7, and the order of ties changes with the vector's length)."""
+    logits = near_tied_logits(400, 3)
+    g = torch.Generator().manual_seed(4)
+    eligible = torch.rand(400, C, generator=g) < 0.7
+    eligible[:, 0] = True
+    for steps in (1, 2, 4):
+        ctx = StepContext(logits, eligible, eligible.clone(), torch.arange(C), torch.zeros(400, C, dtype=torch.long),
+                          0, steps, 0, [None] * 400, 0, steps, 0, C, 0, SimpleNamespace())
+        ours = samplers.SAMPLERS.create("low_confidence").step(ctx).mask
+        confidence = torch.where(eligible, llada_confidence(logits, logits.argmax(-1)), float("-inf"))
+        for b in range(400):
+            k = -(-int(eligible[b].sum()) // steps)
+            chosen = sorted(range(C), key=lambda i: (-confidence[b, i].item(), i))[:k]
+            assert {i for i in range(C) if ours[b, i]} == set(chosen)

@@ -54,6 +54,47 @@ def test_a_main_block_of_generated_code_does_not_run(unsafe):
     assert run_python(program, unsafe=unsafe).passed
 
 
+WRONG = "def answer(x):\n    return 0.0\n"  # every assert below fails on it, unless the program cheats
+RIGHT = "def answer(x):\n    return {3.5: 0.5, 1: 1, 2: 1.0}[x]\n"
+CHEATS = {
+    "builtins.abs patched": "import builtins\nbuiltins.abs = lambda x: 0.0",
+    "builtins.isinstance patched": "import builtins\nbuiltins.isinstance = lambda *a: True",
+    "__builtins__ rebound": "import builtins\n__builtins__ = dict(vars(builtins), abs=lambda x: 0.0, "
+                            "isinstance=lambda *a: True)",
+    "a global named like a builtin": "abs = lambda x: 0.0\nisinstance = lambda *a: True",
+    "a module the tests use patched": "import math\nmath.isclose = lambda *a, **k: True",
+}
+ASSERTS = {"builtins.abs patched": ["abs(candidate(3.5) - 0.5) < 1e-6"],
+           "builtins.isinstance patched": ["isinstance(candidate(1), int)"],
+           "__builtins__ rebound": ["abs(candidate(3.5) - 0.5) < 1e-6", "isinstance(candidate(1), int)"],
+           "a global named like a builtin": ["abs(candidate(3.5) - 0.5) < 1e-6", "isinstance(candidate(1), int)"],
+           "a module the tests use patched": ["math.isclose(candidate(2), 1.0)"]}
+TESTS = {cheat: "import math\n\ndef check(candidate):\n" + "".join(f"    assert {a}\n" for a in asserts) +
+         "\ncheck(answer)\n" for cheat, asserts in ASSERTS.items()}  # HumanEval's form
+
+
+@pytest.mark.parametrize("cheat", CHEATS)
+def test_a_program_that_patches_what_the_tests_use_still_fails_them(unsafe, cheat):
+    """Reward hacking: a wrong answer that patches builtins (or a module the asserts call) before the tests. The
+    tests run against the interpreter as it started and fail; appended to the program, as the scorers ran them
+    before, every cheat passes; a right answer still passes with the cheat beside it."""
+    program, tests = WRONG + CHEATS[cheat] + "\n", TESTS[cheat]
+    outcome = run_python(program, tests=tests, keep=("answer",), unsafe=unsafe)
+    assert not outcome.passed and outcome.detail.startswith("AssertionError"), outcome
+    assert run_python(program + tests, unsafe=unsafe).passed
+    assert run_python(RIGHT + CHEATS[cheat] + "\n", tests=tests, keep=("answer",), unsafe=unsafe).passed
+
+
+def test_a_tested_function_named_like_a_builtin_is_the_programs():
+    """MBPP 126 asks for `sum(a, b)`: the tests call the program's `sum`, and its gold solution passes."""
+    from dllm.eval import tasks
+    items, _ = tasks.get_task("mbpp").load(None, 0)
+    item = next(it for it in items if it.id == "mbpp-126")
+    assert item.tested == ("sum",)
+    assert tasks.get_task("mbpp").score(item, item.gold, unsafe_exec=True)["pass@1"][1]
+    assert not tasks.get_task("mbpp").score(item, "def sum(a, b):\n    return 0\n", unsafe_exec=True)["pass@1"][1]
+
+
 def test_infinite_loop_is_killed_at_the_timeout(unsafe):
     start = time.perf_counter()
     outcome = run_python("while True:\n    pass", timeout=1, unsafe=unsafe)

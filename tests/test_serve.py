@@ -66,7 +66,8 @@ def test_load_64_requests_from_16_clients_equal_their_solo_answers(server, tiny)
 
 
 def test_mixed_parameters_at_once_each_equal_alone(server, tiny):
-    """Requests with different samplers, caches, seeds, temperatures and lengths in flight together: each gets
+    """Requests with different samplers, caches, seeds, temperatures, lengths and LLaDA's options (cfg_scale ...)
+    in flight together: each gets
     its solo answer (rows join a compatible batch; methods that see the whole answer run their own batch)."""
     model, tok = tiny
     cases = [("copy: k3x9a", {}), ("reverse: abc12", {"sampler": "threshold", "threshold": 0.7, "cache": "dual"}),
@@ -74,7 +75,8 @@ def test_mixed_parameters_at_once_each_equal_alone(server, tiny):
              ("add: 0012+0034", {"gen_length": 96}), ("count digits: ab3c9", {"sampler": "prophet"}),
              ("reverse: hello123", {"sampler": "prophet", "answer_start": 5}), ("copy: abcd", {"cache": "dkv"}),
              ("reverse: q1w2", {"max_tokens": 5}), ("copy: mnop", {"sampler": "credit", "cache": "prefix"}),
-             ("sort: 09,04,07,01", {"sampler": "threshold", "threshold": 0.3, "cache": "dual", "temperature": 0.5})]
+             ("sort: 09,04,07,01", {"sampler": "threshold", "threshold": 0.3, "cache": "dual", "temperature": 0.5}),
+             ("copy: xyz12", {"cfg_scale": 1.5}), ("reverse: abcd", {"confidence_eos_eot_inf": True, "cache": "dual"})]
     run = load(server.url + "/v1/chat/completions", [chat(p, **kw) for p, kw in cases], concurrency=len(cases))
     for (prompt, kw), (status, answer, _) in zip(cases, run["results"]):
         kw = dict(kw)
@@ -148,6 +150,8 @@ BAD = [
     ({"prompt": "copy: ab", "seed": "x"}, "seed must be an integer"),
     ({"prompt": "copy: ab", "stream": "yes"}, "stream must be true or false"),
     ({"prompt": "copy: ab", "cache": "dkv", "sampler": "speculative"}, "verifies drafts"),
+    ({"prompt": "copy: ab", "cfg_scale": -1}, "cfg_scale must be a number >= 0"),
+    ({"prompt": "copy: ab", "cache": "elastic", "cfg_scale": 1.0}, "cache 'elastic' refreshes every row"),
     ({"prompt": ["a", "b"]}, "one prompt per request"),
     ({"prompt": "copy: ab€"}, "characters the tokenizer does not know"),
     ({}, "prompt is missing"),

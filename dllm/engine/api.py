@@ -13,7 +13,7 @@ from ..models import DiffusionLM
 from .checks import check_lengths
 from .logprobs import TokenLogprob, check_logprobs
 from .loop import Batch, Row, decoded
-from .options import decoding_lengths, default_cache, model_sampler, split_params
+from .options import settle
 from .stats import Stats
 from .text import answer_text, encode_prompts, is_token_id, warn_outside_format
 
@@ -32,17 +32,16 @@ class Generation:
     cache: dict[str, Any]
     trace: list[dict] | None = None
     logprobs: list[list[TokenLogprob]] | None = None  # per row, one per token of token_ids (`logprobs=k`)
+    settings: dict[str, Any] | None = None  # every setting and where it came from (`Settings.explain`)
 
 
 def _prepare(model: DiffusionLM, tokenizer, prompts, sampler, cache, gen_length, block_length, steps, seed, chat,
-             flags: dict[str, Any], sampler_args, cache_args, params):
-    """`generate`'s and `stream`'s checks and setup: the sampler and cache, the lengths, the seed and flags, then
-    the prompts' ids (every bad input fails before any work)."""
-    sampler, sampler_args = model_sampler(model, sampler, sampler_args)
-    sampler, cache = split_params(sampler, default_cache(model) if cache is None else cache, params, sampler_args,
-                                  cache_args, model)
-    lengths = decoding_lengths(model, gen_length, block_length, steps)
-    sampler.check_gen_length(lengths["gen_length"])
+             flags: dict[str, Any], sampler_args, cache_args, params, guidance: dict[str, Any]):
+    """`generate`'s and `stream`'s checks and setup: the settings (`settle`), the seed and flags, then the
+    prompts' ids (every bad input fails before any work)."""
+    settings = settle(model, sampler, cache, params, sampler_args, cache_args, gen_length, block_length, steps,
+                      **guidance)
+    settings.sampler.check_gen_length(settings.lengths["gen_length"])
     for row_seed in seed if isinstance(seed, list) else [seed]:
         check_seed(row_seed)
     for name, flag in flags.items():
@@ -52,8 +51,8 @@ def _prepare(model: DiffusionLM, tokenizer, prompts, sampler, cache, gen_length,
     if isinstance(seed, list) and len(seed) != len(ids):
         raise DllmError(f"seed is a list of {len(seed)} seeds for {len(ids)} prompts; give one per prompt or one int")
     warn_outside_format(model, tokenizer, ids)
-    sampler.prepare(tokenizer)
-    return sampler, cache, lengths, ids
+    settings.sampler.prepare(tokenizer)
+    return settings, ids
 
 
 def generate(model: DiffusionLM, tokenizer, prompts, sampler: str | Sampler | None = None,
@@ -62,15 +61,18 @@ def generate(model: DiffusionLM, tokenizer, prompts, sampler: str | Sampler | No
              trace: bool = False, sampler_args: dict[str, Any] | None = None,
              cache_args: dict[str, Any] | None = None, callback: Callable[[dict], None] | None = None,
              compile: bool = False, logprobs: int | None = None, prefix_cache: PrefixBlocks | None = None,
+             cfg_scale: float = 0.0, logits_eos_inf: bool = False, confidence_eos_eot_inf: bool = False,
              **params: Any) -> Generation:
     """Generate answers for a batch of prompts (strings, or lists of token ids).
 
-    `params` go to the sampler or the cache by name (e.g. `threshold=0.9`, `temperature=0.5`,
-    `refresh_every=4`); a name both take goes in `sampler_args`/`cache_args`. Every row draws from its own
-    generator seeded with `seed` (a row equals its prompt alone), or with `seed[i]`: several samples of one
-    prompt in one batch take a list of seeds. `sampler` defaults to the model family's (DiffusionGemma:
-    entropy_bound, with its generation_config.json's parameters), else low_confidence; `cache` to
-    `default_cache(model)` (block-causal and causal-prefix models: `block`; others: `none`). gen_length and
+    `sampler` defaults to the model's (`engine.options.model_sampler`: its generation_config.json's Dream `alg`,
+    else its family's (DiffusionGemma: entropy_bound), else `low_confidence`), and so do its parameters
+    (`Generation.settings` says where each value came from). `params` go to the sampler or the cache by name (e.g.
+    `threshold=0.9`, `temperature=0.5`, `refresh_every=4`); a name both take goes in `sampler_args`/`cache_args`.
+    `cfg_scale`, `logits_eos_inf`, `confidence_eos_eot_inf`: LLaDA's generation options, with any sampler
+    (`engine.guidance`). Every row draws from its own generator seeded with `seed` (a row equals its prompt
+    alone), or with `seed[i]`: several samples of one prompt in one batch take a list of seeds. `cache` defaults
+    to `default_cache(model)` (block-causal and causal-prefix models: `block`; others: `none`). gen_length and
     block_length default to the model directory's `generation_config.json`, else the family's (DiffusionGemma:
     256 tokens in canvases), else 64 and 32 (or the largest block below 32 that divides gen_length); steps to
     gen_length (one token per step for schedule-driven samplers; DiffusionGemma: max_denoising_steps per
@@ -82,11 +84,13 @@ def generate(model: DiffusionLM, tokenizer, prompts, sampler: str | Sampler | No
     models, cache `block`) reuses the keys and values of whole blocks an earlier call kept for prompts that start
     the same way (the answers do not change)."""
     check_logprobs(logprobs)
-    sampler, cache, lengths, ids = _prepare(model, tokenizer, prompts, sampler, cache, gen_length, block_length,
-                                            steps, seed, chat, dict(stop_early=stop_early, trace=trace,
-                                                                    compile=compile), sampler_args, cache_args, params)
-    batch = decoded(model, ids, sampler, cache, **lengths, seed=seed, stop_early=stop_early, trace=trace,
-                    callback=callback, compile=compile, logprobs=logprobs, prefix_cache=prefix_cache)
+    guidance = dict(cfg_scale=cfg_scale, logits_eos_inf=logits_eos_inf, confidence_eos_eot_inf=confidence_eos_eot_inf)
+    settings, ids = _prepare(model, tokenizer, prompts, sampler, cache, gen_length, block_length, steps, seed, chat,
+                             dict(stop_early=stop_early, trace=trace, compile=compile), sampler_args, cache_args,
+                             params, guidance)
+    batch = decoded(model, ids, settings.sampler, settings.cache, **settings.lengths, seed=seed,
+                    stop_early=stop_early, trace=trace, callback=callback, compile=compile, logprobs=logprobs,
+                    prefix_cache=prefix_cache, guidance=settings.guidance)
     canvas, stats = batch.canvas, batch.finish()
     cfg = model.config
     token_ids = []
@@ -94,16 +98,16 @@ def generate(model: DiffusionLM, tokenizer, prompts, sampler: str | Sampler | No
         row = row[a:b]
         token_ids.append(row[:next((i for i, t in enumerate(row) if t in cfg.stop_ids), len(row))])
     return Generation([answer_text(tokenizer, ids) for ids in token_ids], token_ids, canvas.tokens, stats,
-                      sampler.config(), cache.config(), batch.trace,
-                      None if logprobs is None else [batch.logprobs(row) for row in batch.rows])
+                      settings.sampler.config(), settings.cache.config(), batch.trace,
+                      None if logprobs is None else [batch.logprobs(row) for row in batch.rows], settings.explain())
 
 
 class Stream:
     """One prompt's answer while it is decoded (`stream`): iterating yields the text each decoded block adds;
     afterwards `generation` holds what `generate` returns for the prompt alone."""
 
-    def __init__(self, tokenizer, batch: Batch, row: Row):
-        self.tokenizer, self.batch, self.row = tokenizer, batch, row
+    def __init__(self, tokenizer, batch: Batch, row: Row, settings: dict[str, Any] | None = None):
+        self.tokenizer, self.batch, self.row, self.settings = tokenizer, batch, row, settings
         self.generation: Generation | None = None
 
     def __iter__(self):
@@ -119,7 +123,8 @@ class Stream:
         if self.generation is None:
             self.generation = Generation([text], [ids], batch.canvas.tokens, batch.finish(), batch.sampler.config(),
                                          batch.cache.config(), batch.trace,
-                                         None if self.row.logprobs is None else [batch.logprobs(self.row)])
+                                         None if self.row.logprobs is None else [batch.logprobs(self.row)],
+                                         self.settings)
 
 
 def stream(model: DiffusionLM, tokenizer, prompt, sampler: str | Sampler | None = None,
@@ -127,7 +132,8 @@ def stream(model: DiffusionLM, tokenizer, prompt, sampler: str | Sampler | None 
            steps: int | None = None, seed: int = 0, chat: bool | None = None, stop_early: bool = True,
            trace: bool = False, sampler_args: dict[str, Any] | None = None,
            cache_args: dict[str, Any] | None = None, callback: Callable[[dict], None] | None = None,
-           compile: bool = False, logprobs: int | None = None, **params: Any) -> Stream:
+           compile: bool = False, logprobs: int | None = None, cfg_scale: float = 0.0, logits_eos_inf: bool = False,
+           confidence_eos_eot_inf: bool = False, **params: Any) -> Stream:
     """`generate` for one prompt, its answer's text given block by block as it is decoded:
 
         s = dllm.stream(model, tok, "reverse: abc", sampler="threshold", cache="dual")
@@ -141,12 +147,14 @@ def stream(model: DiffusionLM, tokenizer, prompt, sampler: str | Sampler | None 
         raise DllmError(f"stream takes one prompt (a string or a list of token ids), got {prompt!r}; "
                         f"use generate for a batch")
     check_logprobs(logprobs)
-    sampler, cache, lengths, ids = _prepare(model, tokenizer, [prompt], sampler, cache, gen_length, block_length,
-                                            steps, seed, chat, dict(stop_early=stop_early, trace=trace,
-                                                                    compile=compile), sampler_args, cache_args, params)
+    guidance = dict(cfg_scale=cfg_scale, logits_eos_inf=logits_eos_inf, confidence_eos_eot_inf=confidence_eos_eot_inf)
+    settings, ids = _prepare(model, tokenizer, [prompt], sampler, cache, gen_length, block_length, steps, seed, chat,
+                             dict(stop_early=stop_early, trace=trace, compile=compile), sampler_args, cache_args,
+                             params, guidance)
+    lengths = settings.lengths
     steps_per_block = check_lengths(lengths["gen_length"], lengths["block_length"], lengths["steps"],
                                     uniform=model.config.mask_id is None)
-    batch = Batch(model, sampler, cache, lengths["block_length"], steps_per_block, stop_early, trace,
-                  callback=callback, compile=compile)
+    batch = Batch(model, settings.sampler, settings.cache, lengths["block_length"], steps_per_block, stop_early,
+                  trace, callback=callback, compile=compile, guidance=settings.guidance)
     return Stream(tokenizer, batch, batch.add(ids[0], lengths["gen_length"], seed[0] if isinstance(seed, list)
-                                              else seed, logprobs=logprobs))
+                                              else seed, logprobs=logprobs), settings.explain())

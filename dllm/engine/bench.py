@@ -11,6 +11,7 @@ import statistics
 
 import torch
 
+from .guidance import Guidance
 from ..models.quantize import weight_bytes
 from .loop import decode
 
@@ -48,22 +49,22 @@ def expert_fraction(model, prompts, sampler, cache, block_length: int, steps: in
 
 def bench(model, sampler, cache, gen_length: int, block_length: int, steps: int | None = None,
           batch_size: int = 1, prompt_length: int = 64, repeats: int = 3, seed: int = 0, callback=None,
-          compile: bool = False) -> dict:
+          compile: bool = False, guidance: Guidance = Guidance()) -> dict:
     """`callback` is passed to every `decode` (progress); `compile` runs the model compiled (the warm-up run
-    compiles it)."""
+    compiles it); `guidance`: LLaDA's generation options (cfg_scale doubles the rows of every forward)."""
     prompts = random_prompts(model, batch_size, prompt_length, seed)
     device = model.device
     canvas, warm_up, _ = decode(model, prompts, sampler, cache, gen_length, block_length, steps, seed,
-                                stop_early=False, callback=callback, compile=compile)  # and compilation
+                                stop_early=False, callback=callback, compile=compile, guidance=guidance)  # compiles
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     runs = [decode(model, prompts, sampler, cache, gen_length, block_length, steps, seed, stop_early=False,
-                   callback=callback, compile=compile)[1] for _ in range(repeats)]
+                   callback=callback, compile=compile, guidance=guidance)[1] for _ in range(repeats)]
     stats = sorted(runs, key=lambda s: s.seconds)[len(runs) // 2]
     # forwards timed one by one in a run of their own: on a GPU that waits for the device around every forward,
     # which would keep the host from queueing the loop's work behind it in the timed runs
     profiled = decode(model, prompts, sampler, cache, gen_length, block_length, steps, seed, stop_early=False,
-                      profile=True, callback=callback, compile=compile)[1]
+                      profile=True, callback=callback, compile=compile, guidance=guidance)[1]
     length = canvas.tokens.shape[1]  # a block-causal model's canvas aligns the answer to its blocks
     rows = sum(stats.rows_per_layer) / len(stats.rows_per_layer)
     cfg = model.config

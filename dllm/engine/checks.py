@@ -10,6 +10,7 @@ from .. import samplers as samplers_mod
 from ..core.checks import check_int
 from ..core.errors import DllmError
 from ..models import DiffusionLM
+from .guidance import Guidance
 
 if TYPE_CHECKING:
     from ..cache import Cache
@@ -101,6 +102,22 @@ def check_prefix_cache(model: DiffusionLM, cache: Cache, prefix_cache) -> None:
                         f"{cache.name!r} recomputes them: use cache block or no prefix cache")
     if prefix_cache.model is not model:
         raise DllmError("this prefix cache holds another model's keys and values; make one per model")
+
+
+def check_guidance(model: DiffusionLM, sampler: Sampler, cache: Cache, guidance: Guidance) -> None:
+    """LLaDA's generation options (`Guidance`) against the model, the sampler and the cache (else the one-line
+    reason)."""
+    if guidance.guided and model.config.mask_id is None:
+        raise DllmError("cfg_scale masks the prompt for the unconditional copy, and this is a uniform-state model "
+                        "(no mask token); use cfg_scale=0")
+    if guidance.guided and cache.rows_coupled:
+        raise DllmError(f"cache {cache.name!r} refreshes every row of a batch where any row drifts, so with cfg_scale "
+                        f"the unconditional copies would steer the guided rows' refreshes; use cache none, prefix, "
+                        f"dual, dkv or dkv_greedy, or cfg_scale=0")
+    if guidance.confidence_eos_eot_inf and not sampler.orders_by_token_probability:
+        known = ", ".join(cls.name for cls in samplers_mod.SAMPLERS if cls.orders_by_token_probability)
+        raise DllmError(f"confidence_eos_eot_inf scores EOS and EoT predictions 0 in the token probability a sampler "
+                        f"orders by; sampler {sampler.name!r} orders by its own score; use one of {known}")
 
 
 def check_block_layout(model: DiffusionLM, block_length: int) -> None:

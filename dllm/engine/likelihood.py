@@ -1,8 +1,7 @@
 """Log-likelihood of a continuation under a masked diffusion model, as LLaDA evaluates its Base models.
 
 A diffusion model gives no exact log p(target | prefix); its evidence lower bound does (LLaDA, arXiv 2502.09992,
-Eq. 3 and Algorithm 3; the estimator of LLaDA's `eval_llada.py`; Dream's `eval.py` also appends an end of text to
-the target and a BOS to the prefix, which this function leaves to the caller):
+Eq. 3 and Algorithm 3; the estimator of LLaDA's `eval_llada.py`):
 
     log p(y | x) >= E_{l ~ U{1..L}, S ~ l-subsets of the L target positions} [ (L / l) sum_{i in S} log p(y_i | x, y with S masked) ]
 
@@ -13,6 +12,12 @@ tokens through the network per continuation (ceil(mc_num / batch_size) forwards)
 the sum over the target's attention blocks of each block's bound with the blocks before it clean (BD3-LM's NELBO,
 arXiv 2503.09573); that costs `mc_num` rows per block. A causal-prefix model (Nemotron-Labs-Diffusion) reads the
 continuation as one block being decoded: the context causal, the continuation bidirectional over it.
+
+A Dream model is scored as Dream's own harness scores it (`convention="dream"`, DreamLM/Dream `eval/eval.py`
+`_encode_pair` and `_eval_target_nll_mc`, with `add_bos_token=true` as its published multiple-choice runs): BOS
+before the prefix and EOS after the target, both never masked, and its estimator of the same bound: per batch of
+`batch_size` draws, times t stratified from one uniform, each target token masked with probability
+(1 - 1e-3) t + 1e-3, weighted by its inverse; `max(mc_num // batch_size, 1)` batches.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from ..core.checks import check_int, check_seed
 from ..core.errors import DllmError
 from ..models import DiffusionLM
 from .checks import check_masked
+from .guidance import Guidance
 from .loop import decode
 
 
@@ -43,17 +49,39 @@ def _check(model: DiffusionLM, prefix: list[int], target: list[int]) -> None:
                         f"{model.config.max_length}; {fix}")
 
 
+CONVENTIONS = ("llada", "dream")
+
+DREAM_SAMPLING_EPS = 1e-3  # Dream's eval.py `sampling_eps`: the smallest masking probability
+
+
+def convention_of(model: DiffusionLM) -> str:
+    """Whose likelihood harness a model is scored as: Dream's for Dream models, LLaDA's otherwise."""
+    return "dream" if model.config.arch == "dream" else "llada"
+
+
 @torch.no_grad()
 def elbo(model: DiffusionLM, prefix: list[int], target: list[int], mc_num: int = 128, batch_size: int = 32,
-         cfg_scale: float = 0.0, seed: int = 0) -> float:
+         cfg_scale: float = 0.0, seed: int = 0, convention: str | None = None, bos_id: int | None = None) -> float:
     """Monte Carlo ELBO of log p(target | prefix) in nats (see the module docstring). `cfg_scale` > 0 applies
-    classifier-free guidance against the prefix masked out, as LLaDA's evaluation does."""
+    classifier-free guidance against the prefix masked out, as LLaDA's evaluation does. `convention` (default:
+    the model's, `convention_of`): "dream" scores `[bos_id] + prefix` and `target + [EOS]` with Dream's
+    estimator (no `bos_id`: no BOS)."""
+    convention = convention_of(model) if convention is None else convention
+    if convention not in CONVENTIONS:
+        raise DllmError(f"convention must be one of {', '.join(CONVENTIONS)}, got {convention!r}")
+    if convention == "dream":
+        prefix, target = ([] if bos_id is None else [bos_id]) + list(prefix), list(target) + [model.config.filler_id]
     _check(model, prefix, target)
     check_int("mc_num", mc_num, 1)
     check_int("batch_size", batch_size, 1)
     check_seed(seed)
     if not isinstance(cfg_scale, (int, float)) or not cfg_scale >= 0:
         raise DllmError(f"cfg_scale must be a number >= 0 (0: no guidance), got {cfg_scale!r}")
+    if convention == "dream":
+        if model.config.decoded_keys_fixed:
+            raise DllmError(f"Dream's likelihood convention is for bidirectional models; {model.config.arch} is not "
+                            f"one: use convention='llada'")
+        return _dream_elbo(model, prefix, target, mc_num, batch_size, cfg_scale, seed)
     cfg, device = model.config, model.device
     n, length = len(prefix), len(target)
     ends = range(-(-(n + 1) // cfg.block_size) * cfg.block_size, n + length, cfg.block_size) if cfg.block_size else []
@@ -73,32 +101,60 @@ def elbo(model: DiffusionLM, prefix: list[int], target: list[int], mc_num: int =
         masked = torch.zeros(draws, n + length, dtype=torch.bool)
         masked[:, n:] = order < counts[:, None]
         masked = masked.to(device)
-        noisy = torch.where(masked, cfg.mask_id, sequence)
         window = (n, n + length) if cfg.causal_prefix else None
-        logits = model(noisy, window=window)
-        if cfg_scale > 0:
-            unconditional = noisy.clone()
-            unconditional[:, :n] = cfg.mask_id
-            plain = model(unconditional, window=window)
-            logits = plain + (cfg_scale + 1) * (logits - plain)
+        logits = _guided_logits(model, torch.where(masked, cfg.mask_id, sequence), n, cfg_scale, window)
         nll = F.cross_entropy(logits[masked].float(), sequence.expand(draws, -1)[masked], reduction="none")
         weight = (length / counts.to(device)).repeat_interleave(masked.sum(1))
         total -= float((nll * weight).sum())
     return total / mc_num
 
 
+def _guided_logits(model: DiffusionLM, noisy: torch.Tensor, prefix_length: int, cfg_scale: float,
+                   window: tuple[int, int] | None = None) -> torch.Tensor:
+    """The model's logits of `noisy` `[B, L]` (`window`: a causal-prefix model's block being decoded), guided
+    against its first `prefix_length` tokens masked."""
+    logits = model(noisy, window=window)
+    if cfg_scale > 0:
+        unconditional = noisy.clone()
+        unconditional[:, :prefix_length] = model.config.mask_id
+        plain = model(unconditional, window=window)
+        logits = plain + (cfg_scale + 1) * (logits - plain)
+    return logits
+
+
+def _dream_elbo(model: DiffusionLM, prefix: list[int], target: list[int], mc_num: int, batch_size: int,
+                cfg_scale: float, seed: int) -> float:
+    """Dream's `_eval_target_nll_mc` (log_type 'ftb'): the first position and the last (BOS, EOS) stay clean."""
+    sequence = torch.tensor(prefix + target, device=model.device).expand(batch_size, -1)
+    generator = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(max(mc_num // batch_size, 1)):
+        start = torch.rand(1, generator=generator)
+        t = (start + torch.arange(batch_size) / batch_size) % 1
+        p_mask = ((1 - DREAM_SAMPLING_EPS) * t + DREAM_SAMPLING_EPS)[:, None].expand(-1, sequence.shape[1])
+        masked = torch.rand(sequence.shape, generator=generator) < p_mask
+        masked[:, 0] = masked[:, -1] = False
+        masked[:, :len(prefix)] = False  # only the target is noised
+        masked, p_mask = masked.to(model.device), p_mask.to(model.device)
+        logits = _guided_logits(model, torch.where(masked, model.config.mask_id, sequence), len(prefix), cfg_scale)
+        nll = F.cross_entropy(logits[masked].float(), sequence[masked], reduction="none") / p_mask[masked]
+        losses.append(float(nll.sum()) / batch_size)
+    return -sum(losses) / len(losses)
+
+
 @torch.no_grad()
-def is_greedy(model: DiffusionLM, prefix: list[int], target: list[int]) -> bool:
+def is_greedy(model: DiffusionLM, prefix: list[int], target: list[int], cfg_scale: float = 0.0) -> bool:
     """Whether decoding the continuation's length after `prefix` one token per step, most confident position
-    first (LLaDA's low-confidence remasking, its eval's greedy check), gives exactly `target`. A block-causal
-    model decodes in its attention blocks, the canvas rounded up to whole blocks."""
+    first (LLaDA's low-confidence remasking, its eval's greedy check, guided with `cfg_scale` as its score),
+    gives exactly `target`. A block-causal model decodes in its attention blocks, the canvas rounded up to whole
+    blocks."""
     _check(model, prefix, target)
     if not prefix:
         raise DllmError("the greedy check needs a context of at least one token")
     block = model.config.block_size
     length = -(-len(target) // block) * block if block else len(target)
     canvas, _, _ = decode(model, [prefix], samplers.SAMPLERS.create("low_confidence"), caches.CACHES.create("none"),
-                          length, block or length, length, stop_early=False)
+                          length, block or length, length, stop_early=False, guidance=Guidance(cfg_scale))
     start = int(canvas.gen_start[0])
     return canvas.tokens[0, start:start + len(target)].tolist() == list(target)
 

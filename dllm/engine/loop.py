@@ -15,7 +15,8 @@ from .. import samplers as samplers_mod
 from ..core.errors import DllmError
 from ..models import DiffusionLM, Rows
 from .canvas import Canvas
-from .checks import check_block_layout, check_lengths, check_policies, check_prefix_cache
+from .checks import check_block_layout, check_guidance, check_lengths, check_policies, check_prefix_cache
+from .guidance import Guidance
 from .logprobs import Captured, TokenLogprob, check_logprobs, token_logprobs
 from .runner import Runner, clock
 from .stats import Stats, trace_step
@@ -56,17 +57,21 @@ class Batch:
     `{"block", "step", "committed"}`; `compile` runs the model compiled (`compiled_run`; caches none, prefix, dual).
     `prefix_cache` (a `cache.PrefixBlocks`; block-causal and causal-prefix models, cache `block`) fills each layout's
     store with the kept keys and values of the rows' finished blocks, and keeps the blocks each block start makes
-    final.
+    final. `guidance`: LLaDA's cfg_scale, logits_eos_inf, confidence_eos_eot_inf (`Guidance`).
     The host waits for the device once per step (has the block any mask left?) and once per block."""
 
     def __init__(self, model: DiffusionLM, sampler: Sampler, cache: Cache, block_length: int, steps_per_block: int,
                  stop_early: bool = True, trace: bool = False, profile: bool = False,
                  callback: Callable[[dict], None] | None = None, compile: bool = False,
-                 prefix_cache: PrefixBlocks | None = None):
+                 prefix_cache: PrefixBlocks | None = None, guidance: Guidance = Guidance()):
         check_policies(model, sampler, cache, compile)
+        check_guidance(model, sampler, cache, guidance)
         check_block_layout(model, block_length)
         check_prefix_cache(model, cache, prefix_cache)
-        self.model, self.sampler, self.cache = model, sampler, cache
+        if prefix_cache is not None and guidance.guided:
+            raise DllmError("a prefix cache keeps the keys and values of guided rows only; with cfg_scale drop the "
+                            "prefix cache")
+        self.model, self.sampler, self.cache, self.guidance = model, sampler, cache, guidance
         self.block_length, self.steps_per_block = block_length, steps_per_block
         self.stop_early, self.profile, self.callback, self.compile = stop_early, profile, callback, compile
         self.prefix = prefix_cache
@@ -183,13 +188,14 @@ class Batch:
         self.captured = None if not wanted else Captured.lay_out(
             [row.captured for row in rows], self.firsts, self.canvas.tokens.shape[1], max(wanted), model.device)
         self._count_store()
-        self.runner = Runner(model, self.canvas, self.cache, self.stats, self.profile, self.compile)
+        self.runner = Runner(model, self.canvas, self.cache, self.stats, self.profile, self.compile, self.guidance)
         if self.prefix is not None:
             self.prefix.load(self.runner.kv, [row.tokens[:n].tolist() for row, n in zip(rows, before)], self.firsts)
         self.stats.batch = max(self.stats.batch, len(rows))
         self.state = SimpleNamespace()  # the sampler's per-run state
         self.generators = [row.generator for row in rows]
         self.stacked = samplers_mod.stack_rows([row.sampler for row in rows])  # the rows' settings, for the steps
+        self.unscored = self.guidance.unscored(model.config, self.stacked.temperature, model.device)
         self._set_finished(torch.tensor([row.finished for row in rows], dtype=torch.bool, device=model.device))
         self.window = None  # (lo, hi, start, end), positions, in the block: of the last step (`_window`)
         self.never = torch.zeros((), dtype=torch.bool, device=model.device)  # the stall check of a sampler that may
@@ -239,7 +245,8 @@ class Batch:
             ctx = self._context(logits, step, start, end, lo, hi, open_now)
             if step == 0:  # the block-start forward may move the block end (AdaBlock)
                 end = self._move_block_end(ctx)
-            out = self.stacked.step(ctx)
+            with samplers_mod.scoring_without(self.unscored):  # LLaDA's confidence_eos_eot_inf
+                out = self.stacked.step(ctx)
             commit, checks, reused = self._write(ctx, out, lo, hi)
             committed += commit.sum()
             self._after_step(ctx, out, commit, counted)
@@ -410,13 +417,13 @@ class Batch:
 def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache: Cache, gen_length: int,
            block_length: int, steps: int | None = None, seed: int | list[int] = 0, stop_early: bool = True,
            trace: bool = False, profile: bool = False, callback: Callable[[dict], None] | None = None,
-           compile: bool = False) -> tuple[Canvas, Stats, list[dict] | None]:
+           compile: bool = False, guidance: Guidance = Guidance()) -> tuple[Canvas, Stats, list[dict] | None]:
     """Decode token-id prompts as one fixed batch (every row seeded with `seed`, or row i with `seed[i]`); returns
     the final canvas, statistics and (optionally) a per-step trace. `profile` times every forward (synchronizing
     the device) into `stats.forward_seconds` by kind: `full` (every canvas row computed), `cached` (the other
-    rows read from the cache), `verify` (draft batches). See `Batch` for `callback` and `compile`."""
+    rows read from the cache), `verify` (draft batches). See `Batch` for `callback`, `compile` and `guidance`."""
     batch = decoded(model, prompts, sampler, cache, gen_length, block_length, steps, seed, stop_early, trace, profile,
-                    callback, compile)
+                    callback, compile, guidance=guidance)
     return batch.canvas, batch.finish(), batch.trace
 
 
@@ -424,14 +431,15 @@ def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache
 def decoded(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache: Cache, gen_length: int,
             block_length: int, steps: int | None = None, seed: int | list[int] = 0, stop_early: bool = True,
             trace: bool = False, profile: bool = False, callback: Callable[[dict], None] | None = None,
-            compile: bool = False, logprobs: int | None = None, prefix_cache: PrefixBlocks | None = None) -> Batch:
+            compile: bool = False, logprobs: int | None = None, prefix_cache: PrefixBlocks | None = None,
+            guidance: Guidance = Guidance()) -> Batch:
     """`decode`'s batch once decoded: its rows' answers and (`logprobs=k`) their log-probabilities; `prefix_cache`
-    as `Batch`'s."""
+    and `guidance` as `Batch`'s."""
     steps_per_block = check_lengths(gen_length, block_length, steps, uniform=model.config.mask_id is None)
     Canvas.check(model, prompts, gen_length)  # every prompt's error before any work
     check_logprobs(logprobs)
     batch = Batch(model, sampler, cache, block_length, steps_per_block, stop_early, trace, profile, callback, compile,
-                  prefix_cache)
+                  prefix_cache, guidance)
     for ids, row_seed in zip(prompts, seed if isinstance(seed, list) else [seed] * len(prompts)):
         batch.add(ids, gen_length, row_seed, logprobs=logprobs)
     while batch.running:

@@ -1,14 +1,18 @@
-"""What a call decodes with: keyword parameters routed to the sampler or the cache, the default sampler and cache,
-and the lengths (the caller's, else the model's `generation_config.json`, else its family's, else ours)."""
+"""What a call decodes with and where each value came from (`settle`): the caller's keywords, else the model
+directory's `generation_config.json` (`dllm.models.generation`), else its family's (the family module's `decoding`),
+else ours (`model_sampler`, `decoding_lengths`); keyword parameters routed to the sampler or the cache; the default
+cache."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .. import cache as caches
 from .. import samplers as samplers_mod
 from ..core.errors import DllmError
 from ..models import ARCHITECTURES_BY_NAME, DiffusionLM
-from .checks import check_lengths
+from .checks import check_guidance, check_lengths
+from .guidance import Guidance
 
 if TYPE_CHECKING:
     from ..cache import Cache
@@ -16,11 +20,10 @@ if TYPE_CHECKING:
 
 
 def split_params(sampler: str | Sampler, cache: str | Cache, params: dict[str, Any],
-                 sampler_args: dict[str, Any] | None = None, cache_args: dict[str, Any] | None = None,
-                 model: DiffusionLM | None = None):
-    """Build the sampler and the cache. `params` are routed by name and override `sampler_args`/`cache_args`,
-    which override the `model`'s family defaults (`family_sampler_args`); a name that both take must go through
-    those instead (never a silent choice); unknown names are an error."""
+                 sampler_args: dict[str, Any] | None = None, cache_args: dict[str, Any] | None = None):
+    """Build the sampler and the cache. `params` are routed by name and override `sampler_args`/`cache_args`
+    (the model's settings under the caller's: `model_sampler`); a name that both take must go through those
+    instead (never a silent choice); unknown names are an error."""
     for name, args in (("sampler_args", sampler_args), ("cache_args", cache_args)):
         if args is not None and not isinstance(args, dict):
             raise DllmError(f"{name} must be a dict of parameters, got {args!r}")
@@ -31,8 +34,7 @@ def split_params(sampler: str | Sampler, cache: str | Cache, params: dict[str, A
         raise DllmError(f"parameter {both[0]!r} is taken by both sampler {sampler_cls.name!r} and cache "
                         f"{cache_cls.name!r}; say which with sampler_args={{...}} or cache_args={{...}} "
                         f"(CLI: --sampler-arg or --cache-arg)")
-    s_args = {**family_sampler_args(model, sampler), **(sampler_args or {}),
-              **{k: v for k, v in params.items() if k in sampler_cls.param_names()}}
+    s_args = {**(sampler_args or {}), **{k: v for k, v in params.items() if k in sampler_cls.param_names()}}
     c_args = {**(cache_args or {}), **{k: v for k, v in params.items() if k in cache_cls.param_names()}}
     unknown = sorted(set(params) - set(sampler_cls.param_names()) - set(cache_cls.param_names()))
     if unknown:
@@ -46,36 +48,67 @@ DEFAULT_SAMPLER = "low_confidence"
 
 
 def family_decoding(model: DiffusionLM) -> dict[str, Any]:
-    """How the model's family decodes where ours would not fit it (DiffusionGemma: `diffusion_gemma.decoding`,
-    over the keys of its generation_config.json): `sampler`, `sampler_args`, `block_length`, `steps_per_block`,
-    `gen_length`; else {}."""
+    """How the model's family decodes where ours would not fit it (the family module's `decoding`, over the keys of
+    its generation_config.json that it reads: DiffusionGemma, LLaDA2, Fast-dLLM v2): `sampler`, `sampler_args`,
+    `block_length`, `steps_per_block`, `gen_length`; else {}."""
     decoding = getattr(ARCHITECTURES_BY_NAME[model.config.arch], "decoding", None)
-    return {} if decoding is None else decoding(model.config, getattr(model, "generation_defaults", {}))
+    return {} if decoding is None else decoding(model.config, model.generation_defaults.family)
+
+
+def _family_source(model: DiffusionLM) -> str:
+    return f"{model.config.arch} authors' decoding: {ARCHITECTURES_BY_NAME[model.config.arch].AUTHORS_DECODING}"
+
+
+def _file_source(model: DiffusionLM, name: str) -> str:
+    return f"generation_config.json ({model.generation_defaults.keys.get(name, name)})"
 
 
 def model_sampler(model: DiffusionLM, sampler: str | Sampler | None, sampler_args: dict[str, Any] | None
                   ) -> tuple[str | Sampler, dict[str, Any] | None]:
-    """The sampler to decode with, the caller's or else the family's (DiffusionGemma: entropy_bound) or ours, and
-    its arguments: for the family's sampler named by name, those the model's generation_config.json sets under the
-    caller's."""
-    family = family_decoding(model)
-    sampler = family.get("sampler", DEFAULT_SAMPLER) if sampler is None else sampler
-    from_file = family.get("sampler_args")
-    if from_file and sampler == family["sampler"] and (sampler_args is None or isinstance(sampler_args, dict)):
-        try:
-            samplers_mod.SAMPLERS.create(sampler, **from_file)
-        except DllmError as e:
-            raise DllmError(f"{e} (from the model's generation_config.json)") from None
-        sampler_args = {**from_file, **(sampler_args or {})}
-    return sampler, sampler_args
+    """The sampler to decode with and its arguments: the caller's, else the model's generation_config.json's
+    (Dream's `alg`), else its family's (`family_decoding`), else low_confidence. The file's sampler parameters go
+    to whichever sampler takes them (as transformers' generation config), the family's to the family's sampler,
+    and its defaults for any sampler that takes them (`family_sampler_args`: Nemotron's causal_first), each under
+    the caller's; the file's are checked here, naming it."""
+    return _model_sampler(model, sampler, sampler_args)[:2]
 
 
-def family_sampler_args(model: DiffusionLM | None, sampler: str | Sampler) -> dict[str, Any]:
-    """The parameters the model's family decodes with that the sampler `sampler` (a name; a ready object is taken
-    as it is) takes: its module's `SAMPLER_DEFAULTS` (Nemotron-Labs-Diffusion: causal_first, as NVIDIA's
-    `generate_diffusion`). The caller's parameters win."""
-    if model is None or isinstance(sampler, samplers_mod.Sampler):
-        return {}
+def _model_sampler(model: DiffusionLM, sampler, sampler_args):
+    """`model_sampler`, and where each value came from (`sources`) and what became of the file's sampler keys
+    (`notes`)."""
+    own, family, sources, notes = model.generation_defaults, family_decoding(model), {}, {}
+    if sampler is not None:
+        sources["sampler"] = "caller"
+    elif "sampler" in own.values:
+        sampler, sources["sampler"] = own.values["sampler"], _file_source(model, "sampler")
+    elif "sampler" in family:
+        sampler, sources["sampler"] = family["sampler"], _family_source(model)
+    else:
+        sampler, sources["sampler"] = DEFAULT_SAMPLER, "dllm default"
+    if isinstance(sampler, samplers_mod.Sampler) or not isinstance(sampler_args, (dict, type(None))):
+        return sampler, sampler_args, sources, notes  # a built sampler keeps its own; split_params names bad args
+    takes = samplers_mod.SAMPLERS.get(sampler).param_names()
+    args = {**family_sampler_args(model, sampler),
+            **(family.get("sampler_args", {}) if sampler == family.get("sampler") else {})}
+    sources.update({f"sampler.{name}": _family_source(model) for name in args})
+    for name, value in own.sampler_args.items():
+        key = own.keys[f"sampler.{name}"]
+        if name in takes:
+            args[name], sources[f"sampler.{name}"] = value, f"generation_config.json ({key})"
+        else:
+            notes[key] = f"not used: sampler {sampler!r} takes no {name}"
+    try:
+        samplers_mod.SAMPLERS.create(sampler, **args)
+    except DllmError as e:
+        raise DllmError(f"{e} (from the model's generation_config.json)") from None
+    sources.update({f"sampler.{name}": "caller" for name in sampler_args or {}})
+    return sampler, {**args, **(sampler_args or {})}, sources, notes
+
+
+def family_sampler_args(model: DiffusionLM, sampler: str) -> dict[str, Any]:
+    """The parameters the model's family decodes with that the sampler named `sampler` takes, whichever it is: its
+    module's `SAMPLER_DEFAULTS` (Nemotron-Labs-Diffusion: causal_first, as NVIDIA's `generate_diffusion`); under
+    the file's and the caller's (`model_sampler`)."""
     takes = samplers_mod.SAMPLERS.get(sampler).param_names()
     family = getattr(ARCHITECTURES_BY_NAME[model.config.arch], "SAMPLER_DEFAULTS", {})
     return {name: value for name, value in family.items() if name in takes}
@@ -97,20 +130,38 @@ def decoding_lengths(model: DiffusionLM, gen_length: int | None = None, block_le
     """gen_length, block_length and steps to decode with: the caller's, else the model directory's
     (`generation_config.json`), else its family's (`family_decoding`), else ours (block_length: a block-causal
     model's attention block). Validated, so a bad value fails before any work."""
-    own, from_file, family = getattr(model, "generation_defaults", {}), [], family_decoding(model)
+    return _lengths(model, gen_length, block_length, steps)[0]
+
+
+def _lengths(model: DiffusionLM, gen_length, block_length, steps) -> tuple[dict[str, int | None], dict[str, str]]:
+    """`decoding_lengths` and where each came from."""
+    own, family = model.generation_defaults, family_decoding(model)
+    sources = {name: "caller" for name, v in (("gen_length", gen_length), ("block_length", block_length),
+                                               ("steps", steps)) if v is not None}
+    from_file = []
 
     def from_own(name: str, given):
-        if given is None and name in own:
+        if given is None and name in own.values:
             from_file.append(name)
-            return own[name]
+            sources[name] = _file_source(model, name)
+            return own.values[name]
         return given
 
     gen_length = from_own("gen_length", gen_length)
-    gen_length = family.get("gen_length", DEFAULT_GEN_LENGTH) if gen_length is None else gen_length
+    if gen_length is None:
+        gen_length = family.get("gen_length", DEFAULT_GEN_LENGTH)
+        sources["gen_length"] = _family_source(model) if "gen_length" in family else "dllm default"
     block_length = from_own("block_length", block_length)
+    if block_length is None and own.one_block:
+        block_length = gen_length
+        sources["block_length"] = (f"the whole answer: generation_config.json ({own.keys['sampler']}) means the "
+                                   f"authors' generate, which has no blocks")
+    if block_length is None and family.get("block_length"):
+        block_length, sources["block_length"] = family["block_length"], _family_source(model)
     if block_length is None:  # a block-causal model decodes in its attention blocks; others in blocks of 32, or
         # of the largest size below that divides the answer (gen_length 48 alone: blocks of 24)
-        block_length = family.get("block_length") or model.config.block_size or _default_block(gen_length)
+        block_length = model.config.block_size or _default_block(gen_length)
+        sources["block_length"] = "the model's attention block" if model.config.block_size else "dllm default"
     if "gen_length" in from_file:  # the file's steps belong to the file's length
         steps = from_own("steps", steps)
     try:
@@ -121,8 +172,9 @@ def decoding_lengths(model: DiffusionLM, gen_length: int | None = None, block_le
             raise
         raise DllmError(f"{e} ({' and '.join(from_file)} from the model's generation_config.json)") from None
     if steps is None and "steps_per_block" in family:
-        steps = family["steps_per_block"] * (gen_length // block_length)
-    return {"gen_length": gen_length, "block_length": block_length, "steps": steps}
+        steps, sources["steps"] = family["steps_per_block"] * (gen_length // block_length), _family_source(model)
+    sources.setdefault("steps", "gen_length: one token per step")
+    return {"gen_length": gen_length, "block_length": block_length, "steps": steps}, sources
 
 
 def _default_block(gen_length) -> int:
@@ -142,3 +194,54 @@ def lengths_for_answer(lengths: dict[str, int | None], max_tokens: int | None) -
             blocks = new // block
             lengths["steps"] = max(1, round(steps * new / gen / blocks)) * blocks
     return lengths
+
+
+@dataclass
+class Settings:
+    """What one call decodes with (`settle`): the sampler, the cache, the lengths and LLaDA's generation options,
+    and for each setting where its value came from (`sources`); `notes`: every key of the model's
+    generation_config.json and what became of it."""
+
+    sampler: Sampler
+    cache: Cache
+    lengths: dict[str, int | None]
+    guidance: Guidance
+    sources: dict[str, str]
+    notes: dict[str, str]
+
+    def explain(self) -> dict[str, Any]:
+        """`{"settings": {name: {"value", "from"}}, "generation_config.json": notes}` (`dllm generate --explain`)."""
+        values = {"sampler": self.sampler.name, **{f"sampler.{k}": v for k, v in self.sampler.config().items()
+                                                   if k != "name"},
+                  "cache": self.cache.name, **{f"cache.{k}": v for k, v in self.cache.config().items() if k != "name"},
+                  **self.lengths, **self.guidance.config()}
+        settings = {name: {"value": value, "from": self.sources.get(name, f"the {name.split('.')[0]}'s default")}
+                    for name, value in values.items()}
+        return {"settings": settings, "generation_config.json": dict(self.notes)}
+
+
+def settle(model: DiffusionLM, sampler: str | Sampler | None = None, cache: str | Cache | None = None,
+           params: dict[str, Any] | None = None, sampler_args: dict[str, Any] | None = None,
+           cache_args: dict[str, Any] | None = None, gen_length: int | None = None, block_length: int | None = None,
+           steps: int | None = None, cfg_scale: float = 0.0, logits_eos_inf: bool = False,
+           confidence_eos_eot_inf: bool = False) -> Settings:
+    """The caller's settings over the model's, each with where it came from: the sampler and its parameters
+    (`model_sampler`), the cache (the caller's, else `default_cache`), the lengths (`decoding_lengths`) and LLaDA's
+    options (`engine.guidance`). Every value is checked before any work."""
+    params = dict(params or {})
+    for name, args in (("sampler_args", sampler_args), ("cache_args", cache_args)):
+        if args is not None and not isinstance(args, dict):
+            raise DllmError(f"{name} must be a dict of parameters, got {args!r}")
+    sampler, sampler_args, sources, notes = _model_sampler(model, sampler, sampler_args)
+    for kind, names in (("sampler", params), ("cache", [*(cache_args or {}), *params])):
+        sources.update({f"{kind}.{name}": "caller" for name in names})
+    sources["cache"] = "caller" if cache is not None else "dllm default for this model"
+    sampler, cache = split_params(sampler, default_cache(model) if cache is None else cache, params, sampler_args,
+                                  cache_args)
+    lengths, length_sources = _lengths(model, gen_length, block_length, steps)
+    guidance = Guidance(cfg_scale, logits_eos_inf, confidence_eos_eot_inf)
+    for name, value in guidance.config().items():
+        sources[name] = "caller" if value else "off by default, as in LLaDA's generate.py"
+    check_guidance(model, sampler, cache, guidance)
+    return Settings(sampler, cache, lengths, guidance, {**sources, **length_sources},
+                    {**model.generation_defaults.notes, **notes})

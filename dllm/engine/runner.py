@@ -13,6 +13,7 @@ from torch import Tensor
 from .. import cache as caches
 from ..models import DiffusionLM, Rows
 from .canvas import Canvas
+from .guidance import Guidance, unconditional
 from .stats import Stats
 
 if TYPE_CHECKING:
@@ -25,16 +26,22 @@ class Runner:
 
     `compiled`: forwards go through `compiled_run(model)`, their rows as position tensors so that a block step
     keeps one shape from block to block (caches whose rows are slices: none, prefix, dual, block); on a GPU as
-    CUDA graphs (`graphed`), whose logits are copied out before the next replay overwrites them."""
+    CUDA graphs (`graphed`), whose logits are copied out before the next replay overwrites them.
+
+    `guidance` (`Guidance`): the logits it returns are guided; with classifier-free guidance every canvas row is
+    computed beside its unconditional copy, which has its own rows in the store (`[row 0, its copy, row 1, ...]`),
+    so every cache keeps each copy's keys and values exactly as the row's own."""
 
     def __init__(self, model: DiffusionLM, canvas: Canvas, cache: Cache, stats: Stats, profile: bool,
-                 compiled: bool = False):
-        self.model, self.canvas, self.cache = model, canvas, cache
+                 compiled: bool = False, guidance: Guidance = Guidance()):
+        self.model, self.canvas, self.cache, self.guidance = model, canvas, cache, guidance
         self.stats, self.profile = stats, profile
         self.run = compiled_run(model) if compiled else model.run
         self.compiled, self.graphed = compiled, compiled and model.device.type == "cuda"
         self.allocate = store_lender(model).take if self.graphed else caches.zeros  # graphs: lasting addresses
-        self.kv = cache.new_kv(model, *canvas.tokens.shape, self.allocate)
+        batch, length = canvas.tokens.shape
+        self.kv = cache.new_kv(model, batch * (2 if guidance.guided else 1), length, self.allocate)
+        self.prompt_columns = torch.arange(length, device=model.device) < canvas.gen_start[:, None]
         self.verified: tuple | None = None  # (drafts, fork, logits, rows) of the last `verify`
         self.slice_slots: dict[tuple, Tensor] = {}  # `_slots` of slice rows, by window
 
@@ -60,10 +67,17 @@ class Runner:
         kv = self.kv if kv is None else kv
         batch, length = canvas.tokens.shape
         copies = tokens.shape[0] // batch
+        if self.guidance.guided:  # each row beside its unconditional copy: [B, 2, K, L]
+            tokens = tokens.unflatten(0, (batch, copies))
+            tokens = torch.stack((tokens, unconditional(tokens, self.prompt_columns, cfg.mask_id)), 1).flatten(0, 2)
+        every = tokens.shape[0] // batch  # rows computed per canvas row
         key_mask, positions = canvas.key_mask, canvas.positions
-        if copies > 1:
-            positions = positions.repeat_interleave(copies, 0)
-            key_mask = None if key_mask is None else key_mask.repeat_interleave(copies, 0)
+        if every > 1:
+            positions = positions.repeat_interleave(every, 0)
+            key_mask = None if key_mask is None else key_mask.repeat_interleave(every, 0)
+            if not rows.is_slice and rows.index.dim() == 2:  # the cache chose rows per canvas row
+                rows = Rows(rows.index.repeat_interleave(every, 0),
+                            None if rows.valid is None else rows.valid.repeat_interleave(every, 0))
         slots = self._slots(rows, lo - cfg.logit_shift, hi - cfg.logit_shift, tokens.shape[0])
         if self.compiled and rows.is_slice:
             rows = Rows(torch.arange(length, device=model.device)[rows.index])
@@ -83,8 +97,11 @@ class Runner:
             logits = logits.clone()
         if not rows.is_slice and rows.index.dim() == 2:  # rows served from the store predict nothing this step
             logits[slots < 0] = 0.0
+        if self.guidance.guided:
+            logits = self.guidance.combine(logits.unflatten(0, (batch, 2, copies))).flatten(0, 1)
         if cfg.mask_id is not None:
             logits[..., cfg.mask_id] = float("-inf")  # a committed position must never stay masked
+        self.guidance.ban(logits, cfg)
         computed = rows.index.shape[-1] if not rows.is_slice else len(range(length)[rows.index])
         counter = self.kv  # drafts' forwards on a fork count into the generation's store
         before = counter.rows_per_layer[0]
@@ -116,10 +133,12 @@ class Runner:
         index = torch.tensor([b for b, keep in enumerate(open_rows) if keep], device=self.model.device)
         part = copy.copy(self)
         part.canvas = self.canvas.take_rows(index)
-        part.kv = self.kv.take_rows(index)
+        part.prompt_columns = self.prompt_columns.index_select(0, index)
+        stored = torch.stack((2 * index, 2 * index + 1), 1).flatten() if self.guidance.guided else index  # + copies
+        part.kv = self.kv.take_rows(stored)
         logits = part.forward(lo, hi, rows, inputs={k: v.index_select(0, index) for k, v in (inputs or {}).items()},
                               block=block)
-        self.kv.put_rows(part.kv, index)
+        self.kv.put_rows(part.kv, stored)
         out = logits.new_zeros((len(open_rows), *logits.shape[1:]))
         if self.model.config.mask_id is not None:
             out[..., self.model.config.mask_id] = float("-inf")
@@ -143,7 +162,7 @@ class Runner:
         (for the loop to check against the sampler's commits) and their logits, the next step's."""
         drafts, fork, logits, rows = self.verified
         pick = torch.arange(len(choice), device=choice.device)
-        self.kv.adopt(fork, choice, rows.index)
+        self.kv.adopt(fork, choice.repeat_interleave(2) if self.guidance.guided else choice, rows.index)  # copies too
         self._give_back(fork)
         self.verified = None
         return drafts[pick, choice], logits[pick, choice]

@@ -14,6 +14,7 @@ HF_CLASSES = ("DiffusionGemmaForBlockDiffusion",)
 MODEL_CLASS = DiffusionGemma
 END_OF_TURN = None  # Gemma 4's end of turn is among generation_config.json's eos ids, which stop a row
 TOKENIZER_STYLE = "llada"  # of the character tokenizer a random: model gets
+AUTHORS_DECODING = "transformers' DiffusionGemma generate (DiffusionGemmaGenerationConfig)"
 
 _DECODER, _LAYER = "model.decoder.", "model.decoder.layers.{i}."
 _NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "attn_out_norm",
@@ -45,16 +46,17 @@ SKIPPED_WEIGHTS = ("model.encoder.vision_tower.", "model.encoder.embed_vision.",
 # generation_config.json keys of transformers' DiffusionGemmaGenerationConfig -> the entropy_bound sampler's parameters
 SAMPLER_KEYS = {"t_min": "t_min", "t_max": "t_max", "stability_threshold": "stability",
                 "confidence_threshold": "confidence"}
-GENERATION_KEYS = (*SAMPLER_KEYS, "max_denoising_steps", "sampler_config")  # kept as they are by the loader
+GENERATION_KEYS = ("max_denoising_steps", "sampler_config")  # kept as they are by the loader, for `decoding`
 MAX_NEW_TOKENS, DENOISING_STEPS = 256, 48  # transformers' defaults where the file sets none
 
 
 def decoding(cfg: GemmaConfig, generation: dict) -> dict:
     """How DiffusionGemma decodes when the caller does not say, as transformers' `generate` does over the
-    generation_config.json keys `generation` holds (`GENERATION_KEYS`; the others: entropy_bound's defaults, which
-    are transformers'): the sampler entropy_bound with the parameters the file sets, a block per canvas,
-    max_denoising_steps steps per block, 256 answer tokens in whole canvases."""
-    args = {ours: generation[key] for key, ours in SAMPLER_KEYS.items() if key in generation}
+    generation_config.json keys `generation` holds (`GENERATION_KEYS`; the file's `SAMPLER_KEYS` reach the
+    sampler through `read_generation_config`; the others: entropy_bound's defaults, which are transformers'): the
+    sampler entropy_bound with the file's bound, a block per canvas, max_denoising_steps steps per block, 256
+    answer tokens in whole canvases."""
+    args = {}
     bound = generation.get("sampler_config")
     if isinstance(bound, dict) and bound.get("entropy_bound") is not None:
         args["bound"] = bound["entropy_bound"]

@@ -8,6 +8,12 @@ from .transformer import ModelConfig, end_ids
 MODEL_TYPE = "Dream"
 TOKENIZER_STYLE = "dream"  # of the character tokenizer a random: model gets
 END_OF_TURN = "<|im_end|>"
+AUTHORS_DECODING = "Dream's diffusion_generate (generation_utils.py), which reads generation_config.json"
+# generation_config.json keys diffusion_generate reads (`DreamGenerationConfig`) -> ours; `alg` names the sampler, one
+# of ALGORITHMS (our samplers of those names). Without a file: ours (low_confidence in blocks), not Dream's origin.
+SAMPLER_KEYS = {"alg": "sampler", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                "alg_temp": "alg_temp", "eps": "eps"}
+ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 
 _LAYER = "model.layers.{i}."
 WEIGHT_NAMES = {

@@ -12,8 +12,14 @@ from .transformer import ModelConfig, block_size_of
 MODEL_TYPE = "Fast_dLLM_Qwen"
 HF_CLASSES = ("Fast_dLLM_QwenForCausalLM",)
 END_OF_TURN = "<|im_end|>"
+AUTHORS_DECODING = "NVlabs/Fast-dLLM v2 generate(): sub-blocks of 8, threshold 0.9, temperature 0"
 TOKENIZER_STYLE = "dream"  # the Qwen chat format
 WEIGHT_NAMES = dream.WEIGHT_NAMES
+
+
+def decoding(cfg: ModelConfig, generation: dict) -> dict:
+    """How Fast-dLLM v2's authors decode (`AUTHORS_DECODING`): the sampler sub_block, whose defaults are theirs."""
+    return {"sampler": "sub_block"}
 
 
 def config_from_hf(hf: dict, end_of_turn_id: int | None = None) -> ModelConfig:

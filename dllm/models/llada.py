@@ -6,6 +6,7 @@ from .transformer import ModelConfig, end_ids
 MODEL_TYPE = "llada"
 TOKENIZER_STYLE = "llada"  # of the character tokenizer a random: model gets
 END_OF_TURN = "<|eot_id|>"
+AUTHORS_DECODING = "ML-GSAI/LLaDA generate.py: low_confidence, temperature 0, cfg_scale 0"  # as ours
 
 # checkpoint name -> our parameter name ({i} = layer index)
 WEIGHT_NAMES = {

@@ -15,8 +15,16 @@ from .transformer import ModelConfig, block_size_of, end_ids
 MODEL_TYPE = "llada2_moe"
 HF_CLASSES = ("LLaDA2MoeModelLM",)
 END_OF_TURN = "<|role_end|>"
+AUTHORS_DECODING = "inclusionAI/dFactory LLaDA2.0 generate(): threshold 0.95, 32 steps per block of 32, temperature 0"
 TOKENIZER_STYLE = "llada"  # of the character tokenizer a random: model gets
 BLOCK_SIZE = 32  # the training and decoding block of the released models (config.json does not say)
+
+
+def decoding(cfg: ModelConfig, generation: dict) -> dict:
+    """How LLaDA2's authors decode when their `generate` is called with no options (`AUTHORS_DECODING`): commit
+    what clears 0.95, at least one position a step, in the model's blocks (block_length: its `BLOCK_SIZE`)."""
+    return {"sampler": "low_confidence_dynamic", "sampler_args": {"threshold": 0.95}}
+
 
 _LAYER = "model.layers.{i}."
 WEIGHT_NAMES = {

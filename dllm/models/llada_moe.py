@@ -11,6 +11,7 @@ from .transformer import ModelConfig, end_ids
 MODEL_TYPE = "llada"  # as LLaDA's: `dllm.models.architecture_of` tells them apart by class and `num_experts`
 HF_CLASSES = ("LLaDAMoEModelLM", "FusedLLaDAMoEModelLM")
 END_OF_TURN = "<|role_end|>"
+AUTHORS_DECODING = "LLaDA's generate.py (the LLaDA-MoE model card): low_confidence, temperature 0"  # as ours
 TOKENIZER_STYLE = "llada"  # of the character tokenizer a random: model gets
 
 _LAYER = "model.layers.{i}."

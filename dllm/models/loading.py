@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -19,6 +17,7 @@ from torch import nn
 from ..core.checks import choose_from
 from ..core.errors import DllmError
 from . import ARCHITECTURES_BY_NAME, PRESETS, DiffusionLM, ModelConfig, architecture_of
+from .generation import GenerationConfig, read_generation_config
 from .quantize import (FORMAT, check_quantization, check_saved_quantization, flatten_state, quantize_part,
                        quantized_fill, saved_quantization, torchao)
 from .threads import requested_threads, set_threads
@@ -47,9 +46,9 @@ def describe_models() -> list[dict[str, str]]:
     out = [{"name": name, "family": family} for name, family in model_families().items()]
     for entry in out:
         if entry["name"] in shipped_models():
-            path = SHIPPED_DIR / entry["name"]
-            trained_on = generation_defaults(read_json(path / "generation_config.json", "fix it"), path).get(
-                "trained_on")
+            file = SHIPPED_DIR / entry["name"] / "generation_config.json"
+            arch = ARCHITECTURES_BY_NAME[entry["family"]]
+            trained_on = read_generation_config(read_json(file, "fix it"), arch, file).get("trained_on")
             entry.update({"doc": f"trained on {trained_on}"} if trained_on else {})
     return out
 
@@ -271,14 +270,18 @@ def load_dir(path: Path, device="cpu", dtype: torch.dtype | None = None, quantiz
         problem = f"missing field {e}" if isinstance(e, KeyError) else e if isinstance(e, ValueError) else \
             f"a field has the wrong type ({e})"
         raise DllmError(f"{path / 'config.json'}: {problem}") from None
-    generation = read_json(path / "generation_config.json", "fix or delete it") \
-        if (path / "generation_config.json").exists() else {}
-    stops = {*cfg.stop_ids, *generation_stop_ids(generation, path)}  # what transformers' generate stops on too
-    padding = tokenizer.get_vocab().get(DLM_PAD)
-    if padding is not None:  # DiffuCoder fills the canvas after its answer with this token: the answer ends there
-        stops.add(padding)
-    if stops != set(cfg.stop_ids):
-        cfg = dataclasses.replace(cfg, stop_ids=tuple(sorted(stops)))
+    generation, file = GenerationConfig(), path / "generation_config.json"
+    if file.exists():
+        hf_generation = read_json(file, "fix or delete it")
+        generation = read_generation_config(hf_generation, arch, file)
+        if hf_generation.get("mask_token_id") not in (None, cfg.mask_id):
+            raise DllmError(f"{file} says mask_token_id {hf_generation['mask_token_id']}, config.json "
+                            f"{cfg.mask_id}; make them agree")
+    padding = tokenizer.get_vocab().get(DLM_PAD)  # DiffuCoder fills the canvas after its answer with this token
+    stops = {*generation.stop_ids, *([] if padding is None else [padding])} - set(cfg.stop_ids)
+    if stops:  # an answer ends there too
+        cfg = dataclasses.replace(cfg, stop_ids=tuple(sorted({*cfg.stop_ids, *(i for i in stops
+                                                                              if i < cfg.vocab_size)})))
     _check_head(cfg, *quantization)
     if dtype is None:
         dtype = torch.float32 if torch.device(device).type == "cpu" else _checkpoint_dtype(hf, path)
@@ -289,7 +292,7 @@ def load_dir(path: Path, device="cpu", dtype: torch.dtype | None = None, quantiz
     else:
         skipped = getattr(arch, "SKIPPED_WEIGHTS", ())
         materialize(model, device, checkpoint_fill(model, path, arch.WEIGHT_NAMES, device, skipped), *quantization)
-    model.generation_defaults = generation_defaults(generation, path, getattr(arch, "GENERATION_KEYS", ()))
+    model.generation_defaults = generation
     return model.eval(), tokenizer
 
 
@@ -301,53 +304,6 @@ def _checkpoint_dtype(hf: dict, path: Path) -> torch.dtype:
     except DllmError:
         raise DllmError(f"{path / 'config.json'} names dtype {name!r}; pass --dtype float32, bfloat16 or "
                         f"float16") from None
-
-
-# generation_config.json key -> `dllm.generate` keyword (the HF name for the answer length, LLaDA's for the rest)
-GENERATION_KEYS = {"max_new_tokens": "gen_length", "block_length": "block_length", "steps": "steps"}
-
-
-def generation_stop_ids(hf: dict, path: Path) -> tuple[int, ...]:
-    """The `eos_token_id`s of a `generation_config.json` (read as `hf`; one id or a list)."""
-    value = hf.get("eos_token_id")
-    ids = [] if value is None else value if isinstance(value, list) else [value]
-    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
-        raise DllmError(f"{path / 'generation_config.json'}: eos_token_id must be a token id or a list of them, got "
-                        f"{value!r}; fix or delete it")
-    return tuple(ids)
-
-
-def generation_defaults(hf: dict, path: Path, family_keys: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The decoding defaults a checkpoint directory carries in `generation_config.json` (read as `hf`; they win
-    over ours), ours: `multi_turn` (false for a model trained on single turns: `dllm chat` then starts every
-    turn afresh), `prompt_formats` (regular expressions of the prompts it was trained on: others get a notice)
-    and `trained_on` (the same in words), and the keys its family reads (`family_keys`, as they are:
-    DiffusionGemma's `decoding`)."""
-    file = path / "generation_config.json"
-    out = {ours: hf[key] for key, ours in GENERATION_KEYS.items() if hf.get(key) is not None}
-    if "gen_length" not in out:  # steps only mean something with the length they were chosen for
-        out.pop("steps", None)
-    for name, value in out.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise DllmError(f"{file}: {name} must be a positive integer, got {value!r}; fix or delete it")
-    if "multi_turn" in hf:
-        if not isinstance(hf["multi_turn"], bool):
-            raise DllmError(f"{file}: multi_turn must be true or false, got {hf['multi_turn']!r}; fix or delete it")
-        out["multi_turn"] = hf["multi_turn"]
-    for name, kind, ok in (("trained_on", "a string", lambda v: isinstance(v, str)),
-                           ("prompt_formats", "a list of regular expressions", _regexes)):
-        if name in hf and not ok(hf[name]):
-            raise DllmError(f"{file}: {name} must be {kind}, got {hf[name]!r}; fix or delete it")
-        if name in hf:
-            out[name] = hf[name]
-    return {**out, **{key: hf[key] for key in family_keys if hf.get(key) is not None}}
-
-
-def _regexes(value) -> bool:
-    try:
-        return isinstance(value, list) and all(isinstance(v, str) and re.compile(v) for v in value)
-    except re.error:
-        return False
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")  # any one of them
@@ -530,9 +486,11 @@ def save_pretrained(model: DiffusionLM, tokenizer, path: str | Path) -> None:
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "model.safetensors"), metadata={**metadata, "format": "pt"})
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    if model.generation_defaults:
-        ours_to_hf = {ours: key for key, ours in GENERATION_KEYS.items()}
-        config = {ours_to_hf.get(name, name): value for name, value in model.generation_defaults.items()}
+    generation = model.generation_defaults
+    config = {**{generation.keys.get(name, name): value for name, value in generation.values.items()},
+              **{generation.keys[f"sampler.{name}"]: value for name, value in generation.sampler_args.items()},
+              **generation.family}
+    if config:
         (path / "generation_config.json").write_text(json.dumps(config, indent=2) + "\n")
     if tokenizer is not None:
         from .tokenizer import save_tokenizer

@@ -11,6 +11,8 @@ from .transformer import ModelConfig, block_size_of, end_ids
 MODEL_TYPE = "sdar"
 HF_CLASSES = ("SDARForCausalLM", "SDARMoeForCausalLM")
 END_OF_TURN = "<|im_end|>"
+AUTHORS_DECODING = ("JetAstra/SDAR's evaluation (evaluation/opencompass/configs/eval_sdar_hf.py): low_confidence, "
+                    "greedy, steps = block length")  # as ours
 TOKENIZER_STYLE = "dream"  # the Qwen chat format
 
 _LAYER = "model.layers.{i}."

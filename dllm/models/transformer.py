@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .generation import GenerationConfig
 from .moe import MoE, MoEConfig
 from .quantize import is_quantized
 from .rope_scaling import YaRN
@@ -356,7 +357,7 @@ class Network(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.generation_defaults: dict[str, Any] = {}  # from generation_config.json (dllm.loading)
+        self.generation_defaults = GenerationConfig()  # its directory's generation_config.json (dllm.loading)
         self.threads: dict[str, int | str] = {}  # the CPU thread count `dllm.load` set, and why (models.threads)
         self.quantization: dict | None = None  # {"scheme": "int8", "head": False} once quantized (quantize.py)
 

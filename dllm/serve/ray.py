@@ -44,6 +44,9 @@ class ReplicaOptions(BaseModel):
     block_length: int | None = None
     steps: int | None = None
     seed: int = 0
+    cfg_scale: float = 0.0  # LLaDA's generation options (dllm.engine.guidance)
+    logits_eos_inf: bool = False
+    confidence_eos_eot_inf: bool = False
     compile: bool = False
     max_batch: int = 8
     prefix_cache_mb: float = 0
@@ -134,8 +137,9 @@ class Replica:
         # torch threads: the CPUs Ray reserved for this replica (what Ray also puts in OMP_NUM_THREADS)
         model, tok = dllm.load(o.model, device=o.device, dtype=o.dtype, threads=o.threads, quantize=o.quantize,
                                quantize_head=o.quantize_head)
-        defaults = served_defaults(model, o.model_dump(include={"sampler", "sampler_args", "cache", "cache_args",
-                                                                "gen_length", "block_length", "steps", "seed"}))
+        defaults = served_defaults(model, o.model_dump(include={
+            "sampler", "sampler_args", "cache", "cache_args", "gen_length", "block_length", "steps", "seed",
+            "cfg_scale", "logits_eos_inf", "confidence_eos_eot_inf"}))
         self.engine = Engine(model, tok, o.name or o.model, defaults, o.max_batch, o.compile, o.prefix_cache_mb)
         self.engine.metrics = ReplicaMetrics(self.engine.prefix)
         self.engine.check_defaults()

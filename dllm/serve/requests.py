@@ -13,8 +13,9 @@ from ..core.checks import check_int, check_seed
 from ..core.errors import DllmError
 from ..engine.canvas import Canvas
 from ..engine.checks import check_policies
+from ..engine.guidance import Guidance
 from ..engine.logprobs import check_logprobs
-from ..engine.options import decoding_lengths, default_cache, lengths_for_answer, model_sampler, split_params
+from ..engine.options import decoding_lengths, lengths_for_answer, settle
 from ..engine.text import answer_text, check_plain_text, encode_prompts, warn_outside_format
 
 OPENAI_FIELDS = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "seed", "stream",
@@ -24,6 +25,8 @@ OPENAI_FIELDS = {"model", "prompt", "messages", "max_tokens", "max_completion_to
 NEUTRAL = {"top_p": 1, "frequency_penalty": 0, "presence_penalty": 0}  # what clients send by default; no other value
 
 LAYOUT_FIELDS = ("gen_length", "block_length", "steps")
+
+GUIDANCE_FIELDS = tuple(Guidance().config())  # LLaDA's cfg_scale, logits_eos_inf, confidence_eos_eot_inf
 
 
 def _stop_start(text: str, stops: list[str]) -> int:
@@ -73,6 +76,7 @@ class Job:
     stop_early: bool = True
     logprobs: int | None = None  # alternatives per answer token with its log-probability (None: none asked)
     logprobs_sent: int = 0  # answer tokens whose log-probabilities were sent
+    guidance: Guidance = Guidance()
     emit: Callable[[dict], None] | None = None  # the engine's events: {"kind": "block", "ids", "done", "reason",
     # "logprobs"} or {"kind": "error", "status", "message"}; called on the engine thread
     events: asyncio.Queue | None = None  # what the HTTP handler reads
@@ -122,12 +126,16 @@ class Job:
 
 
 def served_defaults(model, flags: dict[str, Any]) -> dict[str, Any]:
-    """A server's decoding defaults on `model` from its flags (`dllm serve`'s, a Ray replica's options): no sampler
-    named gives the family's with its arguments (`model_sampler`), no cache the model's (`default_cache`); the
-    lengths are checked."""
-    decoding_lengths(model, flags["gen_length"], flags["block_length"], flags["steps"])
-    sampler, sampler_args = model_sampler(model, flags["sampler"], flags["sampler_args"])
-    return {**flags, "sampler": sampler, "sampler_args": sampler_args, "cache": flags["cache"] or default_cache(model)}
+    """A server's decoding defaults on `model` from its flags (`dllm serve`'s, a Ray replica's options), settled as
+    a call's (`settle`: no sampler or cache named gives the model's, with its generation_config.json's and its
+    family's parameters); every value is checked."""
+    settings = settle(model, flags["sampler"], flags["cache"], {}, flags["sampler_args"], flags["cache_args"],
+                      **{k: flags[k] for k in LAYOUT_FIELDS},
+                      **{k: flags.get(k, off) for k, off in Guidance().config().items()})
+    own = {kind: {k: v for k, v in policy.config().items() if k != "name"}
+           for kind, policy in (("sampler", settings.sampler), ("cache", settings.cache))}
+    return {**flags, "sampler": settings.sampler.name, "cache": settings.cache.name, "sampler_args": own["sampler"],
+            "cache_args": own["cache"], **settings.guidance.config()}
 
 
 class RequestReader:
@@ -165,7 +173,7 @@ class RequestReader:
         logprobs = _logprobs(body, chat)
         ids = self._prompt_ids(body, chat)
         params = {k: v for k, v in body.items() if k not in OPENAI_FIELDS and k not in LAYOUT_FIELDS
-                  and k not in ("sampler", "cache", "sampler_args", "cache_args")}
+                  and k not in GUIDANCE_FIELDS and k not in ("sampler", "cache", "sampler_args", "cache_args")}
         if body.get("temperature") is not None:
             params["temperature"] = body["temperature"]
         for name in ("sampler_args", "cache_args"):
@@ -174,15 +182,17 @@ class RequestReader:
         d = self.defaults
         same_sampler = body.get("sampler", d["sampler"]) == d["sampler"]
         same_cache = body.get("cache", d["cache"]) == d["cache"]
-        sampler, cache = split_params(
-            body.get("sampler", d["sampler"]), body.get("cache", d["cache"]), params,
-            {**(d["sampler_args"] if same_sampler else {}), **(body.get("sampler_args") or {})},
-            {**(d["cache_args"] if same_cache else {}), **(body.get("cache_args") or {})}, self.model)
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         if max_tokens is not None:
             check_int("max_tokens", max_tokens, 1)
-        layout = {k: body.get(k, d.get(k)) for k in LAYOUT_FIELDS}
-        lengths = lengths_for_answer(decoding_lengths(self.model, **layout), max_tokens)
+        settings = settle(
+            self.model, body.get("sampler", d["sampler"]), body.get("cache", d["cache"]), params,
+            {**(d["sampler_args"] if same_sampler else {}), **(body.get("sampler_args") or {})},
+            {**(d["cache_args"] if same_cache else {}), **(body.get("cache_args") or {})},
+            **{k: body.get(k, d.get(k)) for k in LAYOUT_FIELDS},
+            **{k: body.get(k, d.get(k, off)) for k, off in Guidance().config().items()})
+        sampler, cache, guidance = settings.sampler, settings.cache, settings.guidance
+        lengths = lengths_for_answer(settings.lengths, max_tokens)
         lengths = decoding_lengths(self.model, **lengths)  # validated again after rounding
         seed = check_seed(body.get("seed", d["seed"]))
         Canvas.check(self.model, [ids], lengths["gen_length"])  # prompt too long etc.
@@ -193,13 +203,14 @@ class RequestReader:
         sampler = self._prepared(sampler)
         block, gen = lengths["block_length"], lengths["gen_length"]
         steps_per_block = (lengths["steps"] or gen) // (gen // block)
-        key = (sampler.batch_key(), tuple(cache.config().items()), block, steps_per_block, not ignore_eos)
+        key = (sampler.batch_key(), tuple(cache.config().items()), block, steps_per_block, not ignore_eos,
+               guidance)
         if not (sampler.block_local and cache.block_fresh):
             key += (gen,)  # a batch that runs to its end decodes one layout
         if cache.rows_coupled:
             key += (uuid.uuid4().hex,)  # decoded alone, so the answer is the prompt's alone
         return Job(ids, lengths, max_tokens, seed, sampler, cache, stop, stream, chat, key,
-                   steps_per_block=steps_per_block, stop_early=not ignore_eos, logprobs=logprobs)
+                   steps_per_block=steps_per_block, stop_early=not ignore_eos, logprobs=logprobs, guidance=guidance)
 
     def _prepared(self, sampler):
         """One prepared sampler object per configuration (the last 32 used): `prepare` reads the tokenizer once

@@ -25,7 +25,7 @@ class ShuttingDown(Exception):
 @dataclass(eq=False)
 class Group:
     """A running batch and its requests, which share a `Job.key` (the sampler's batch-wide settings, the cache, the
-    block layout); their rows differ in per-row sampler settings, seeds, lengths and stop strings."""
+    block layout, LLaDA's options); their rows differ in per-row sampler settings, seeds, lengths and stop strings."""
 
     key: tuple
     batch: Batch
@@ -139,8 +139,8 @@ class Engine:
             self.groups.append(group)  # its next block after every other batch's
 
     def _fail(self, job: Job, error: Exception) -> None:
+        self.metrics.requests.labels(self._endpoint(job), "error").inc()  # counted before it is answered
         job.emit(_error(error))
-        self.metrics.requests.labels(self._endpoint(job), "error").inc()
 
     def _admit(self) -> None:
         """Between blocks: drop finished and cancelled rows, then fill free slots from the queue, oldest first; a
@@ -173,7 +173,7 @@ class Engine:
         """A new batch for `job`'s kind."""
         batch = Batch(self.model, job.sampler, job.cache, job.lengths["block_length"], job.steps_per_block,
                       stop_early=job.stop_early, compile=self.compile,
-                      prefix_cache=self.prefix if job.cache.keeps_final_blocks else None)
+                      prefix_cache=self.prefix if job.cache.keeps_final_blocks else None, guidance=job.guidance)
         group = Group(job.key, batch)
         batch.callback = lambda info: self._step(group)
         return group
