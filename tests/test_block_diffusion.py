@@ -15,7 +15,8 @@ from dllm import samplers
 from dllm.core.errors import DllmError
 from dllm.engine import Batch, decode
 from dllm.models import PRESETS, DiffusionLM, sdar
-from dllm.models.loading import load_weights, table_names
+from dllm.models.checkpoint import table_names
+from dllm.models.loading import load_weights
 
 BLOCK = 4
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18, 19, 20, 21, 22]]  # 7, 3, 8 tokens: every

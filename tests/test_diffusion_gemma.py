@@ -23,7 +23,8 @@ from dllm.engine.loop import decode
 from dllm.engine.options import decoding_lengths, settle
 from dllm.models import PRESETS, diffusion_gemma
 from dllm.models.gemma import DiffusionGemma
-from dllm.models.loading import build_model, checkpoint_state, save_pretrained
+from dllm.models.checkpoint import checkpoint_state, save_pretrained
+from dllm.models.loading import build_model
 from dllm.models.tokenizer import build_char_tokenizer, save_tokenizer
 from dllm.samplers.entropy_bound import EntropyBound, entropy_bound_step, new_history, random_canvas
 
