@@ -13,7 +13,7 @@ import importlib
 
 _EXPORTS = {"DllmError": "core.errors", "DllmNotice": "core.errors", "Generation": "engine", "Stats": "engine",
             "decode": "engine", "generate": "engine", "stream": "engine", "available_models": "models.loading",
-            "load": "models.loading", "save_pretrained": "models.loading"}
+            "load": "models.loading", "save_pretrained": "models.checkpoint"}
 
 __all__ = sorted(_EXPORTS)
 

@@ -40,7 +40,8 @@ from dllm.engine import decode, generate
 from dllm.eval.synthetic import CHARSET, FAMILIES, make_split, score, training_format
 from dllm.models import ModelConfig
 from dllm.models.generation import GenerationConfig
-from dllm.models.loading import build_model, init_random, save_pretrained
+from dllm.models.checkpoint import save_pretrained
+from dllm.models.loading import build_model, init_random
 from dllm.models.tokenizer import build_tokenizer
 
 END_OF_TURN = {"llada": "<|eot_id|>", "dream": "<|im_end|>", "sdar": "<|im_end|>"}

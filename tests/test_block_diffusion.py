@@ -15,7 +15,8 @@ from dllm import samplers
 from dllm.core.errors import DllmError
 from dllm.engine import Batch, decode
 from dllm.models import PRESETS, DiffusionLM, sdar
-from dllm.models.loading import load_weights, table_names
+from dllm.models.checkpoint import table_names
+from dllm.models.loading import load_weights
 
 BLOCK = 4
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18, 19, 20, 21, 22]]  # 7, 3, 8 tokens: every
@@ -173,7 +174,8 @@ def test_generate_and_serve_default_to_the_models_block_and_the_block_cache(caps
     its exact block cache (the tokens of recomputing everything, fewer rows), through the Python API, the CLI and
     the server alike (a served answer equals generate's)."""
     pytest.importorskip("fastapi")
-    from dllm.cli import _serve_setup, build_parser, main
+    from dllm.cli import build_parser, main
+    from dllm.cli.serving import serve_setup
     from dllm.serve import Engine, LocalServer, post
 
     model, tok = dllm.load("random:sdar-tiny")
@@ -187,7 +189,7 @@ def test_generate_and_serve_default_to_the_models_block_and_the_block_cache(caps
     for verb in (["eval", "--limit", "2"], ["bench", "--gen-length", "8", "--repeats", "1"]):
         assert main([*verb, "--model", "random:sdar-tiny", "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["config"]["cache"]["name"] == "block", verb
-    _, _, defaults = _serve_setup(build_parser().parse_args(["serve", "--model", "random:sdar-tiny"]))
+    _, _, defaults = serve_setup(build_parser().parse_args(["serve", "--model", "random:sdar-tiny"]))
     assert defaults["cache"] == "block"
     with LocalServer(Engine(model, tok, "random:sdar-tiny", defaults)) as local:
         status, answer = post(local.url + "/v1/completions", {"prompt": "abc"})

@@ -23,7 +23,8 @@ from dllm.engine.loop import decode
 from dllm.engine.options import decoding_lengths, settle
 from dllm.models import PRESETS, diffusion_gemma
 from dllm.models.gemma import DiffusionGemma
-from dllm.models.loading import build_model, checkpoint_state, save_pretrained
+from dllm.models.checkpoint import checkpoint_state, save_pretrained
+from dllm.models.loading import build_model
 from dllm.models.tokenizer import build_char_tokenizer, save_tokenizer
 from dllm.samplers.entropy_bound import EntropyBound, entropy_bound_step, new_history, random_canvas
 
@@ -379,10 +380,11 @@ def test_served_with_the_family_defaults():
     """`dllm serve` takes the family's sampler and cache, keeps 48 steps per canvas for a shorter answer
     (max_tokens), and answers as `dllm.generate` does alone."""
     pytest.importorskip("fastapi")
-    from dllm.cli import _serve_setup, build_parser
+    from dllm.cli import build_parser
+    from dllm.cli.serving import serve_setup
     from dllm.serve import Engine, LocalServer, post
 
-    model, tok, defaults = _serve_setup(build_parser().parse_args(["serve", "--model", "random:diffusion-gemma-tiny",
+    model, tok, defaults = serve_setup(build_parser().parse_args(["serve", "--model", "random:diffusion-gemma-tiny",
                                                                    "--gen-length", "32"]))
     assert (defaults["sampler"], defaults["cache"]) == ("entropy_bound", "block")
     want = dllm.generate(model, tok, "abc", chat=False, gen_length=16)

@@ -8,7 +8,7 @@ import sys
 
 import dllm
 
-LAYERS = [  # (layer, module prefixes): one folder each, except the command line
+LAYERS = [  # (layer, module prefixes): one folder each
     ("core", ("dllm.core",)),
     ("models", ("dllm.models",)),
     ("samplers", ("dllm.samplers",)),
@@ -34,7 +34,7 @@ def all_modules() -> list[str]:
     for sub in ("samplers", "cache", "eval", "models"):
         package = __import__(f"dllm.{sub}", fromlist=["_"])
         found += [info.name for info in pkgutil.walk_packages(package.__path__, f"dllm.{sub}.")]
-    return sorted(set(found))
+    return sorted(name for name in set(found) if not name.endswith(".__main__"))  # `python -m` runs it
 
 
 PROBE = """

@@ -8,7 +8,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 import dllm
 from dllm.models import DiffusionLM, dream, llada
-from dllm.models.loading import checkpoint_state, load_weights, save_pretrained, weight_names
+from dllm.models.checkpoint import checkpoint_state, save_pretrained, weight_names
+from dllm.models.loading import load_weights
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             tie_word_embeddings=False)

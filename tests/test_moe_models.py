@@ -26,7 +26,8 @@ from dllm import cache as caches
 from dllm import samplers
 from dllm.engine import decode
 from dllm.models import PRESETS, DiffusionLM, MoEConfig, fast_dllm_v2, llada2, llada_moe, sdar
-from dllm.models.loading import load, load_weights, save_pretrained, table_names
+from dllm.models.checkpoint import save_pretrained, table_names
+from dllm.models.loading import load, load_weights
 from dllm.models.moe import MoE
 
 

@@ -23,7 +23,7 @@ from dllm import samplers
 from dllm.core.errors import DllmError
 from dllm.engine import decode
 from dllm.models import PRESETS, DiffusionLM, nemotron_diffusion
-from dllm.models.loading import table_names
+from dllm.models.checkpoint import table_names
 from dllm.models.rope_scaling import YaRN
 from dllm.models.tokenizer import build_char_tokenizer, save_tokenizer
 from dllm.models.transformer import rope_frequencies, visible_keys

@@ -213,7 +213,7 @@ def check_saved_quantization(path: Path, saved: dict, device: torch.device, dtyp
 def quantized_fill(model: nn.Module, path: Path, device):
     """A `fill` that reads each part's tensors from a checkpoint `save_pretrained` wrote from a quantized model
     (torchao's safetensors format under our parameter names), quantized ones rebuilt as torchao tensors; the file
-    is opened per part, as `loading.checkpoint_fill` does."""
+    is opened per part, as `checkpoint.checkpoint_fill` does."""
     file = path / "model.safetensors"
     if not file.is_file():
         raise DllmError(f"{path} has no model.safetensors; save the quantized model again")
