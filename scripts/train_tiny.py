@@ -90,6 +90,17 @@ def dgemma_config(tok, size: dict, rope_theta: float, canvas_length: int) -> Gem
                        full_layers=(size["layers"] - 1,), full_head_size=head_size, full_kv_heads=size["kv_heads"])
 
 
+def start_attention_scaled(model) -> None:
+    """Set DiffusionGemma's per-head q/k norm weights to head_size^-1/4, so that its unscaled attention (scale 1)
+    starts as scaled dot-product attention, q.k / sqrt(head_size): with weights 1, the logits of random unit-RMS
+    queries and keys have a standard deviation of sqrt(head_size) and the softmax starts saturated. The first run
+    (weights 1) matched the answers' layout by step 600 but copied no prompt character (RESULTS.md)."""
+    with torch.no_grad():
+        for layer in model.layers:
+            for norm in (layer.q_norm, layer.k_norm):
+                norm.weight.fill_(norm.weight.shape[0] ** -0.25)
+
+
 def prompt_ids(tok, prompt: str) -> list[int]:
     text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
     return tok(text, add_special_tokens=False)["input_ids"]
@@ -389,6 +400,8 @@ def main(argv: list[str] | None = None) -> None:
         model_config(args.arch, tok, size, args.rope_theta, args.block_size)
     model = build_model(config, args.device, torch.float32)
     init_random(model, args.seed)
+    if args.arch == "dgemma":
+        start_attention_scaled(model)
     mix = parse_mix(args.mix)
     # trained on single turns (`dllm chat` starts each afresh) of these prompts (others get a notice); a uniform-state
     # model decodes one canvas per answer
