@@ -14,7 +14,8 @@ import dllm  # noqa: E402
 from dllm.engine.options import decoding_lengths  # noqa: E402
 from dllm.eval.synthetic import CHARSET, make_split  # noqa: E402
 from dllm.models import diffusion_gemma  # noqa: E402
-from dllm.models.loading import build_model, checkpoint_state, init_random  # noqa: E402
+from dllm.models.checkpoint import checkpoint_state  # noqa: E402
+from dllm.models.loading import build_model, init_random  # noqa: E402
 from dllm.models.tokenizer import build_tokenizer  # noqa: E402
 
 TINY_VISION = dict(model_type="gemma4_vision", hidden_size=8, intermediate_size=16, num_hidden_layers=1,
