@@ -1,4 +1,4 @@
-"""Train a tiny LLaDA, Dream or SDAR on the synthetic task suite with the (block) masked-diffusion SFT objective.
+"""Train a tiny LLaDA, Dream, SDAR or DiffusionGemma on the synthetic task suite with its diffusion objective.
 
 LLaDA SFT (arXiv 2502.09992, section 2.3): per sequence t ~ U(eps, 1); every answer position (the answer, its
 end-of-turn token and the end-of-text padding up to the answer length) is masked with probability t; the prompt is
@@ -17,6 +17,13 @@ dependency-heavy ones more often), the answer canvas of a batch is 48..64 tokens
 needs, every position up to 64 still learns to stay padding), RoPE theta 10000 (a 100-token context needs no
 longer wavelengths), and `--bf16` autocast (about 25% faster per step on an AVX512-BF16 CPU).
 
+DiffusionGemma (`--arch dgemma`, uniform-state: no mask token) trains with the uniform-noise objective
+(`uniform_noise_loss`): the answer fills one canvas of `--canvas-length` tokens, each replaced by a uniformly
+random token with probability t ~ U(eps, 1), loss = CE over the whole canvas; the prompt is encoded causally and
+the canvas decoded bidirectionally over it, in one forward, as the engine decodes. Self-conditioning (Chen et
+al., arXiv 2208.04202, as DiffusionGemma's decoder takes it): half of the steps first run a no-grad pass whose
+temperature-scaled logits condition the trained pass.
+
 Seeded and resumable: the run state (weights, optimizer moments, step) is saved as safetensors + JSON under
 `--state` (default `runs/train-ARCH`) every `--save-every` steps and picked up again when the same command is rerun.
 """
@@ -31,21 +38,24 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, load_model, save_file, save_model
 from tqdm import tqdm
 
 from dllm import cache as caches
 from dllm import samplers as samplers_mod
 from dllm.engine import decode, generate
 from dllm.eval.synthetic import CHARSET, FAMILIES, make_split, score, training_format
-from dllm.models import ModelConfig
-from dllm.models.generation import GenerationConfig
+from dllm.models import ARCHITECTURES_BY_NAME, ModelConfig
 from dllm.models.checkpoint import save_pretrained
+from dllm.models.gemma import GemmaConfig
+from dllm.models.generation import read_generation_config
 from dllm.models.loading import build_model, init_random
+from dllm.models.moe import MoEConfig
 from dllm.models.tokenizer import build_tokenizer
 
-END_OF_TURN = {"llada": "<|eot_id|>", "dream": "<|im_end|>", "sdar": "<|im_end|>"}
-TOKENIZER_STYLE = {"llada": "llada", "dream": "dream", "sdar": "dream"}  # SDAR: the Qwen chat format
+END_OF_TURN = {"llada": "<|eot_id|>", "dream": "<|im_end|>", "sdar": "<|im_end|>", "dgemma": "<|eot_id|>"}
+# SDAR: the Qwen chat format; DiffusionGemma: the format its `random:` presets get
+TOKENIZER_STYLE = {"llada": "llada", "dream": "dream", "sdar": "dream", "dgemma": "llada"}
 
 
 def model_config(arch: str, tok, size: dict, rope_theta: float, block_size: int = 4) -> ModelConfig:
@@ -61,6 +71,34 @@ def model_config(arch: str, tok, size: dict, rope_theta: float, block_size: int 
                        stop_ids=tuple(sorted({eos, eot})), filler_id=eos, max_length=256,
                        **(dict(head_size=size["d"] // size["heads"], qk_norm=True, block_size=block_size)
                           if sdar else {}))
+
+
+def dgemma_config(tok, size: dict, rope_theta: float, canvas_length: int) -> GemmaConfig:
+    """DiffusionGemma's layout at tiny size: sliding layers with a window longer than any sequence here and the
+    last layer full (transformers' rule), head size d/heads in both kinds, and the smallest mixture of experts
+    beside each dense GeGLU (4 experts of width d/2, top 1: the network needs one, the tasks do not)."""
+    eos, eot = tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids(END_OF_TURN["dgemma"])
+    head_size = size["d"] // size["heads"]
+    moe = MoEConfig(n_experts=4, top_k=1, expert_size=size["d"] // 2, router="gemma", normalize=True,
+                    activation="gelu_tanh")
+    return GemmaConfig(arch="diffusion_gemma", vocab_size=len(tok), hidden_size=size["d"],
+                       intermediate_size=size["ff"], n_layers=size["layers"], n_heads=size["heads"],
+                       n_kv_heads=size["kv_heads"], rms_norm_eps=1e-6, rope_theta=rope_theta, qkv_bias=False,
+                       logit_shift=0, mask_id=None, pad_id=eos, stop_ids=tuple(sorted({eos, eot})), filler_id=eos,
+                       max_length=256, head_size=head_size, qk_norm=True, causal_prefix=True,
+                       canvas_length=canvas_length, moe=moe, tied_head=True, sliding_window=256,
+                       full_layers=(size["layers"] - 1,), full_head_size=head_size, full_kv_heads=size["kv_heads"])
+
+
+def start_attention_scaled(model) -> None:
+    """Set DiffusionGemma's per-head q/k norm weights to head_size^-1/4, so that its unscaled attention (scale 1)
+    starts as scaled dot-product attention, q.k / sqrt(head_size): with weights 1, the logits of random unit-RMS
+    queries and keys have a standard deviation of sqrt(head_size) and the softmax starts saturated. The first run
+    (weights 1) matched the answers' layout by step 600 but copied no prompt character (RESULTS.md)."""
+    with torch.no_grad():
+        for layer in model.layers:
+            for norm in (layer.q_norm, layer.k_norm):
+                norm.weight.fill_(norm.weight.shape[0] ** -0.25)
 
 
 def prompt_ids(tok, prompt: str) -> list[int]:
@@ -119,6 +157,44 @@ def masked_diffusion_loss(model, prompts, lengths, answers, generator, eps: floa
     ce = F.cross_entropy(logits.float().flatten(0, 1), answers.to(model.device).flatten(), reduction="none")
     weight = (masked / t[:, None]).to(model.device).flatten()
     return (ce * weight).sum() / answers.numel()
+
+
+def uniform_noise_inputs(model, prompts, lengths, answers, generator, eps: float = 1e-3) -> dict:
+    """One forward's inputs for the uniform-noise loss of a uniform-state model (DiffusionGemma): the canvas
+    `answers` `[B, C]` (answer, end of turn, end-of-text padding) with each token replaced by a uniformly random id
+    with probability t ~ U(eps, 1) per row (the noise `entropy_bound` starts a canvas from and renoises with),
+    after the left-padded prompt. In [prompt ; canvas] the prompt rows encode (causal) and the canvas rows decode
+    (bidirectional over the prompt and the canvas), as the engine runs a canvas over its cached prompt.
+
+    Returns tokens, positions `[B, N]`, key_mask (`visible_keys`) and logit_rows `[B, C]` (the canvas columns)."""
+    batch, canvas = answers.shape
+    width = int(lengths.max())
+    t = eps + (1 - eps) * torch.rand(batch, 1, generator=generator)
+    noise = torch.randint(0, model.config.vocab_size, answers.shape, generator=generator)
+    noisy = torch.where(torch.rand(answers.shape, generator=generator) < t, noise, answers)
+    device = model.device
+    real = torch.cat((torch.arange(width)[None] >= (width - lengths)[:, None],
+                      torch.ones_like(answers, dtype=torch.bool)), 1).to(device)
+    positions = (real.long().cumsum(1) - 1).clamp(min=0)
+    first = lengths.to(device)  # the canvas's first position
+    return dict(tokens=torch.cat((prompts[:, -width:], noisy), 1).to(device), positions=positions,
+                key_mask=model.visible_keys(positions, positions, real, window=(first, first + canvas)),
+                logit_rows=torch.arange(width, width + canvas, device=device).expand(batch, -1))
+
+
+def uniform_noise_loss(model, prompts, lengths, answers, generator, self_condition: bool) -> torch.Tensor:
+    """Mean CE over the canvas of `uniform_noise_inputs`' forward (every position: the model is not told which
+    tokens are noise). `self_condition`: first a no-grad pass on the same canvas, whose logits, scaled by a
+    temperature drawn from entropy_bound's range [0.4, 0.8], condition the trained pass (the previous step's
+    scaled logits at decoding)."""
+    x = uniform_noise_inputs(model, prompts, lengths, answers, generator)
+    conditioning = None
+    if self_condition:
+        scale = 0.4 + 0.4 * torch.rand(len(answers), 1, 1, generator=generator)
+        with torch.no_grad():
+            conditioning = model.run(**x) / scale.to(model.device)
+    logits = model.run(**x, self_conditioning=conditioning)
+    return F.cross_entropy(logits.float().flatten(0, 1), answers.to(model.device).flatten())
 
 
 def block_diffusion_mask(blocks: torch.Tensor, noisy: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
@@ -212,10 +288,13 @@ def evaluate(model, tok, examples, answer_length: int, block_length: int, sample
              ) -> dict[str, float]:
     """Exact match per family with vanilla decoding (low_confidence, one token per step, T = 0), or `sampler`.
     A block-causal model (SDAR) decodes in its attention blocks with its exact block cache, its answers starting
-    at each row's prompt end (not at one canvas column), so they are read through `generate`."""
+    at each row's prompt end (not at one canvas column), so they are read through `generate`. A uniform-state
+    model (DiffusionGemma) decodes as its family does (entropy_bound, the canvases its generation defaults name)."""
     model.eval()
     ids = [prompt_ids(tok, ex.prompt) for ex in examples]
-    if model.config.block_size:
+    if model.config.mask_id is None:
+        texts = generate(model, tok, ids).texts
+    elif model.config.block_size:
         texts = generate(model, tok, ids, sampler=sampler, gen_length=answer_length,
                          block_length=model.config.block_size).texts
     else:
@@ -240,7 +319,7 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
 
 def save_state(state_dir: Path, model, optimizer, step: int) -> None:
     state_dir.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(state_dir / "model.safetensors"))
+    save_model(model, str(state_dir / "model.safetensors"))  # a tied head (DiffusionGemma) stored once
     moments = {}
     for i, p in enumerate(optimizer.param_groups[0]["params"]):
         for key, value in optimizer.state.get(p, {}).items():
@@ -253,7 +332,7 @@ def load_state(state_dir: Path, model, optimizer) -> int:
     if not (state_dir / "state.json").exists():
         return 0
     try:
-        model.load_state_dict(load_file(str(state_dir / "model.safetensors")))
+        load_model(model, str(state_dir / "model.safetensors"))
     except RuntimeError as err:  # a run of another size, tokenizer or architecture
         first = str(err).splitlines()[-1].strip().rstrip(".")
         raise ValueError(f"{state_dir} holds a run of a different model ({first}); "
@@ -268,7 +347,7 @@ def load_state(state_dir: Path, model, optimizer) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arch", choices=("llada", "dream", "sdar"), required=True)
+    ap.add_argument("--arch", choices=("llada", "dream", "sdar", "dgemma"), required=True)
     ap.add_argument("--out", required=True, help="output Hugging Face directory")
     ap.add_argument("--state", default=None, help="run state directory for resuming (default runs/train-ARCH)")
     ap.add_argument("--steps", type=int, default=4000)
@@ -288,6 +367,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast for the forward and backward")
     ap.add_argument("--block-size", type=int, default=4,
                     help="SDAR's attention block (RoPE positions), as the released SDAR chat models")
+    ap.add_argument("--canvas-length", type=int, default=48,
+                    help="DiffusionGemma: the canvas, one per answer (the longest answer and its end of turn fit 47)")
+    ap.add_argument("--self-conditioning", type=float, default=0.5,
+                    help="DiffusionGemma: the share of steps that condition on a first no-grad pass")
     ap.add_argument("--chunks", type=int, default=4,
                     help="SDAR: forwards per batch, rows grouped by answer length (less padding)")
     ap.add_argument("--block-length", type=int, default=None,
@@ -313,9 +396,20 @@ def main(argv: list[str] | None = None) -> None:
     tok = build_tokenizer(TOKENIZER_STYLE[args.arch], CHARSET)
     size = dict(d=args.d, layers=args.layers, heads=args.heads, ff=args.ff or 3 * args.d,
                 kv_heads=args.kv_heads or (args.heads if args.arch == "llada" else max(args.heads // 2, 1)))
-    model = build_model(model_config(args.arch, tok, size, args.rope_theta, args.block_size), args.device,
-                        torch.float32)
+    config = dgemma_config(tok, size, args.rope_theta, args.canvas_length) if args.arch == "dgemma" else \
+        model_config(args.arch, tok, size, args.rope_theta, args.block_size)
+    model = build_model(config, args.device, torch.float32)
     init_random(model, args.seed)
+    if args.arch == "dgemma":
+        start_attention_scaled(model)
+    mix = parse_mix(args.mix)
+    # trained on single turns (`dllm chat` starts each afresh) of these prompts (others get a notice); a uniform-state
+    # model decodes one canvas per answer
+    written = {"multi_turn": False, **training_format([f for f in FAMILIES if mix.get(f, 0) > 0]),
+               **(dict(max_new_tokens=args.canvas_length, block_length=args.canvas_length) if args.arch == "dgemma"
+                  else {})}  # generation_config.json, read as the loader reads it
+    model.generation_defaults = read_generation_config(written, ARCHITECTURES_BY_NAME[config.arch],
+                                                       out / "generation_config.json")
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
     start = load_state(state_dir, model, optimizer)
@@ -327,11 +421,12 @@ def main(argv: list[str] | None = None) -> None:
           f"resuming at step {start}" if start else
           f"{args.arch}: {model.config.num_parameters() / 1e6:.2f}M parameters, {len(train)} training examples")
 
-    mix = parse_mix(args.mix)
     weights = torch.tensor([mix.get(ex.family, 0.0) for ex in train], dtype=torch.double)
     longest = int((answers != tok.eos_token_id).sum(1).max())  # answer tokens and end of turn, without padding
     if not longest <= args.min_answer_length <= args.answer_length:
         raise ValueError(f"--min-answer-length must be in [{longest}, --answer-length], got {args.min_answer_length}")
+    if args.arch == "dgemma" and not longest <= args.canvas_length <= args.answer_length:
+        raise ValueError(f"--canvas-length must be in [{longest}, --answer-length], got {args.canvas_length}")
 
     block_length = args.block_length or (args.block_size if args.arch == "sdar" else 32)
     began = time.time()
@@ -347,6 +442,10 @@ def main(argv: list[str] | None = None) -> None:
         with torch.autocast(model.device.type, torch.bfloat16, enabled=args.bf16):
             if args.arch == "sdar":  # block diffusion, the canvas cut per chunk (`chunked_block_diffusion_loss`)
                 loss = chunked_block_diffusion_loss(model, prompts[idx], lengths[idx], answers[idx], g, args.chunks)
+            elif args.arch == "dgemma":  # the whole canvas: a uniform-state model decodes all of it
+                self_condition = bool(torch.rand((), generator=g) < args.self_conditioning)
+                loss = uniform_noise_loss(model, prompts[idx], lengths[idx], answers[idx, :args.canvas_length], g,
+                                          self_condition)
             else:
                 loss = masked_diffusion_loss(model, prompts[idx], lengths[idx], answers[idx, :width], g)
         optimizer.zero_grad(set_to_none=True)
@@ -365,9 +464,6 @@ def main(argv: list[str] | None = None) -> None:
                 acc = evaluate(model, tok, held_out, args.answer_length, block_length, "low_confidence_dynamic")
                 tqdm.write("  low_confidence_dynamic: " + " ".join(f"{k} {v:.2f}" for k, v in acc.items()))
     model.eval()
-    # trained on single turns (`dllm chat` starts each afresh) of these prompts (others get a notice)
-    model.generation_defaults = GenerationConfig({"multi_turn": False,
-                                                  **training_format([f for f in FAMILIES if mix.get(f, 0) > 0])})
     save_pretrained(model, tok, out)
     print(f"saved {out} after {(time.time() - began) / 60:.1f} min")
 

@@ -78,8 +78,8 @@ CLI_CASES = [
     (["generate", "x", "--sampler-arg", "temperature"], "--sampler-arg expects KEY=VALUE", None, []),
     (["generate", "x", "--sampler", "speculative", "--cache", "dkv"],
      r"use cache none, prefix, dual or \(block-causal models\) block", None, []),
-    (["generate", "x", "--model", "no-such-model"], "unknown model 'no-such-model'; choose one of tiny-dream, ",
-     None, []),
+    (["generate", "x", "--model", "no-such-model"],
+     "unknown model 'no-such-model'; choose one of tiny-dgemma, tiny-dream, ", None, []),
     # a name close to known ones names them alone (issue #39)
     (["generate", "x", "--sampler", "thresh"], r"unknown sampler 'thresh'; did you mean 'threshold'\? \(`dllm list",
      None, []),

@@ -153,7 +153,7 @@ class SelfConditioning(nn.Module):
         """The decoder input of rows `x` `[B, A, D]`, `soft` `[B, C, D]` conditioning rows `index` `[B, C]` (None:
         every row)."""
         if soft is not None:
-            added = self.mlp(self.norm(soft))
+            added = self.mlp(self.norm(soft)).to(x.dtype)  # bf16 under autocast (training)
             x = x + added if index is None else x.scatter_add(1, index[..., None].expand_as(added), added)
         return self.out_norm(x)
 
