@@ -9,23 +9,10 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 
+from test_serve import server, tiny  # noqa: E402,F401  (the served tiny-llada, `dllm serve`'s defaults)
+
 import dllm  # noqa: E402
-from dllm.serve import Engine, LocalServer, post  # noqa: E402
-
-DEFAULTS = {"sampler": "low_confidence", "cache": "none", "sampler_args": {}, "cache_args": {}, "gen_length": None,
-            "block_length": None, "steps": None, "seed": 0}
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return dllm.load("tiny-llada")
-
-
-@pytest.fixture(scope="module")
-def server(tiny):
-    model, tok = tiny
-    with LocalServer(Engine(model, tok, "tiny-llada", DEFAULTS, max_batch=8)) as local:
-        yield local
+from dllm.serve import post  # noqa: E402
 
 
 def streamed(url, path, body):
