@@ -49,8 +49,9 @@ DEFAULT_SAMPLER = "low_confidence"
 
 def family_decoding(model: DiffusionLM) -> dict[str, Any]:
     """How the model's family decodes where ours would not fit it (the family module's `decoding`, over the keys of
-    its generation_config.json that it reads: DiffusionGemma, LLaDA2, Fast-dLLM v2): `sampler`, `sampler_args`,
-    `block_length`, `steps_per_block`, `gen_length`; else {}."""
+    its generation_config.json that it reads: DiffusionGemma, LLaDA2, Fast-dLLM v2, Nemotron): `sampler`,
+    `sampler_args` (for that sampler), `any_sampler_args` (for whichever sampler takes them: Nemotron's
+    causal_first), `block_length`, `steps_per_block`, `gen_length`; else {}."""
     decoding = getattr(ARCHITECTURES_BY_NAME[model.config.arch], "decoding", None)
     return {} if decoding is None else decoding(model.config, model.generation_defaults.family)
 
@@ -68,7 +69,7 @@ def model_sampler(model: DiffusionLM, sampler: str | Sampler | None, sampler_arg
     """The sampler to decode with and its arguments: the caller's, else the model's generation_config.json's
     (Dream's `alg`), else its family's (`family_decoding`), else low_confidence. The file's sampler parameters go
     to whichever sampler takes them (as transformers' generation config), the family's to the family's sampler,
-    and its defaults for any sampler that takes them (`family_sampler_args`: Nemotron's causal_first), each under
+    and its `any_sampler_args` to any sampler that takes them (Nemotron's causal_first), each under
     the caller's; the file's are checked here, naming it."""
     return _model_sampler(model, sampler, sampler_args)[:2]
 
@@ -88,7 +89,7 @@ def _model_sampler(model: DiffusionLM, sampler, sampler_args):
     if isinstance(sampler, samplers_mod.Sampler) or not isinstance(sampler_args, (dict, type(None))):
         return sampler, sampler_args, sources, notes  # a built sampler keeps its own; split_params names bad args
     takes = samplers_mod.SAMPLERS.get(sampler).param_names()
-    args = {**family_sampler_args(model, sampler),
+    args = {**{name: value for name, value in family.get("any_sampler_args", {}).items() if name in takes},
             **(family.get("sampler_args", {}) if sampler == family.get("sampler") else {})}
     sources.update({f"sampler.{name}": _family_source(model) for name in args})
     for name, value in own.sampler_args.items():
@@ -103,15 +104,6 @@ def _model_sampler(model: DiffusionLM, sampler, sampler_args):
         raise DllmError(f"{e} (from the model's generation_config.json)") from None
     sources.update({f"sampler.{name}": "caller" for name in sampler_args or {}})
     return sampler, {**args, **(sampler_args or {})}, sources, notes
-
-
-def family_sampler_args(model: DiffusionLM, sampler: str) -> dict[str, Any]:
-    """The parameters the model's family decodes with that the sampler named `sampler` takes, whichever it is: its
-    module's `SAMPLER_DEFAULTS` (Nemotron-Labs-Diffusion: causal_first, as NVIDIA's `generate_diffusion`); under
-    the file's and the caller's (`model_sampler`)."""
-    takes = samplers_mod.SAMPLERS.get(sampler).param_names()
-    family = getattr(ARCHITECTURES_BY_NAME[model.config.arch], "SAMPLER_DEFAULTS", {})
-    return {name: value for name, value in family.items() if name in takes}
 
 
 def default_cache(model: DiffusionLM) -> str:

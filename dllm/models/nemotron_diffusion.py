@@ -20,8 +20,14 @@ HF_CLASSES = ("NemotronLabsDiffusionModel", "MinistralDiffEncoderModel")  # rele
 END_OF_TURN = "</s>"  # Mistral's end of turn; config.json's eos (11, the tokenizer's pad) fills after the answer
 TOKENIZER_STYLE = "llada"  # of the character tokenizer a random: model gets
 BLOCK_SIZE = 32  # config.json `block_size`: the block it was trained and decodes in
-AUTHORS_DECODING = "vLLM PR 48279 and NVIDIA's generate: low_confidence, one token per step, temperature 0"  # ours
-SAMPLER_DEFAULTS = {"causal_first": True}  # NVIDIA's `generate_diffusion` defaults to causal_context=True
+AUTHORS_DECODING = ("NVIDIA's generate_diffusion: each block seeded with the causal next token (causal_context), "
+                    "low_confidence, temperature 0")
+
+
+def decoding(cfg: ModelConfig, generation: dict) -> dict:
+    """How NVIDIA decodes (`AUTHORS_DECODING`): `generate_diffusion` defaults to causal_context=True, so every
+    sampler that takes `causal_first` gets it on (`causal_first=False`: vLLM's all-mask blocks)."""
+    return {"any_sampler_args": {"causal_first": True}}
 
 WEIGHT_NAMES = {  # Mistral's names (Dream's table without biases), the backbone under `encoder.`
     ("diffusion_head.weight" if ckpt == "lm_head.weight" else ckpt.replace("model.", "encoder.", 1)): ours
