@@ -9,10 +9,10 @@ from dllm.eval.synthetic import make_split
 from dllm.models.loading import model_families
 
 HELD_OUT = [ex.prompt for ex in make_split("test", 2)]  # two held-out items of every family
-# right but for the two sums (8173 and 2279): one carry-free column each summed wrong (RESULTS.md: add 26%)
+# every one right, the worked sums too (RESULTS.md: 99.3% held out)
 GOLDEN = ["#### 9jdivkj", "#### o81njodua", "#### fywmcz", "#### o7ilp6pnu", "#### 05,06,12,17,22,25,84,87",
           "#### 11,15,16,20,20,24,39,71", "000000000 #### 0", "00000012 #### 2",
-          "2+1+0=03 6+1+0=07 0+1+0=02 0+8+0=08 #### 8273", "3+6+0=09 3+4+0=07 0+2+0=03 0+2+0=02 #### 2379"]
+          "2+1+0=03 6+1+0=07 0+1+0=01 0+8+0=08 #### 8173", "3+6+0=09 3+4+0=07 0+2+0=02 0+2+0=02 #### 2279"]
 
 
 @pytest.fixture(scope="module")
