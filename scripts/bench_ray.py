@@ -1,10 +1,11 @@
 """`dllm serve` on Ray Serve replicas against one `dllm serve` process, on this machine (BENCHMARKS.md, "Serving on
-Ray"): served throughput of 1 and 2 replicas of one CPU each, the latency Ray adds per request (one replica through
+Ray"): served throughput of 1 and 2 replicas of one CPU each (and, for what two processes give without Ray, of two
+plain `dllm serve` processes with half the clients each), the latency Ray adds per request (one replica through
 Ray's proxy vs the direct server, one torch thread each, at the same load, one request at a time, and the HTTP path
 alone: GET /v1/models), the CPU seconds each part spent (the server, Ray's own processes, the client), and the time
 from a command to its first answer (`serve run` of scripts/ray_serve.yaml, `dllm serve --replicas 2`, `dllm serve`).
 
-The three servers run side by side (the direct one, and two Ray applications, /one and /two, on one local Ray
+The servers run side by side (the two direct ones, and two Ray applications, /one and /two, on one local Ray
 instance), and each round loads each of them in turn, in a rotated order: on a shared machine whose load drifts,
 every setup meets the same drift, and the summary takes each setup's median over the rounds. Every served answer
 is compared with `dllm.generate` alone. The load average is printed with each row.
@@ -33,6 +34,7 @@ from dllm.serve.client import load, post
 ROOT = Path(__file__).resolve().parents[1]
 
 DIRECT = "dllm serve"
+TWO_DIRECT = "2 x dllm serve, no Ray"  # half the clients and requests each
 RAY = {1: "Ray, 1 replica x 1 CPU", 2: "Ray, 2 replicas x 1 CPU"}
 ROUTE = {RAY[1]: "one", RAY[2]: "two"}  # their Ray applications
 
@@ -47,9 +49,9 @@ def load_average() -> str:
     return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-def cpu_seconds(direct: int) -> dict[str, float]:
-    """CPU seconds (user + system) so far, by role, of this process's descendants (Linux /proc): the direct server
-    (pid `direct`), the replicas of each Ray application ("one", "two"), and Ray's own processes (HTTP proxy,
+def cpu_seconds(direct: list[int]) -> dict[str, float]:
+    """CPU seconds (user + system) so far, by role, of this process's descendants (Linux /proc): the direct servers
+    (pids `direct`: "direct", "direct 2"), the replicas of each Ray application ("one", "two"), and Ray's own processes (HTTP proxy,
     controller, GCS, raylet, agents); "client" is this process (the client threads and Ray's driver)."""
     parent, role, ticks = {}, {}, {}
     for entry in Path("/proc").iterdir():
@@ -62,7 +64,7 @@ def cpu_seconds(direct: int) -> dict[str, float]:
             continue
         pid, fields = int(entry.name), stat[stat.rindex(")") + 2:].split()
         parent[pid], ticks[pid] = int(fields[1]), int(fields[11]) + int(fields[12])
-        role[pid] = "direct" if pid == direct else command.split(":")[3] \
+        role[pid] = ("direct", "direct 2")[direct.index(pid)] if pid in direct else command.split(":")[3] \
             if command.startswith("ray::ServeReplica:") else "ray"
     hz, me, totals = os.sysconf("SC_CLK_TCK"), os.getpid(), {}
     for pid in ticks:
@@ -75,14 +77,18 @@ def cpu_seconds(direct: int) -> dict[str, float]:
     return {**totals, "client": times.user + times.system}
 
 
-def measure(name: str, url: str, bodies: list[dict], concurrency: int, want: list[str], direct: int) -> dict:
-    """One load run; CPU seconds spent meanwhile by the server (the direct one or the application's replicas), by
-    Ray's own processes and by the client, and how busy the server's cores were (CPU s / wall s / cores)."""
-    server, cores = ("direct", 1) if name == DIRECT else (ROUTE[name], 1 if name == RAY[1] else 2)
+def measure(name: str, urls: list[str], bodies: list[dict], concurrency: int, want: list[str], direct: list[int]
+            ) -> dict:
+    """One load run (of two servers at once, each with every other body and half the clients, where `urls` has
+    two); CPU seconds spent meanwhile by the server (the direct ones or the application's replicas), by Ray's own
+    processes and by the client, and how busy the server's cores were (CPU s / wall s / cores)."""
+    servers = {DIRECT: ["direct"], TWO_DIRECT: ["direct", "direct 2"]}.get(name, [ROUTE.get(name)])
+    cores = 1 if name in (DIRECT, RAY[1]) else 2
     before = cpu_seconds(direct)
-    run = load(url + "/v1/chat/completions", bodies, concurrency)
+    run = load_each([url + "/v1/chat/completions" for url in urls], bodies, concurrency)
     after = cpu_seconds(direct)
     spent = {k: after[k] - before.get(k, 0.0) for k in after}
+    server_cpu = sum(spent.get(server, 0.0) for server in servers)
     ok = [(answer, latency) for status, answer, latency in run["results"] if status == 200]
     latencies = sorted(latency for _, latency in ok) or [float("nan")]
     texts = [answer["choices"][0]["message"]["content"] if status == 200 else None for status, answer, _ in run["results"]]
@@ -90,12 +96,29 @@ def measure(name: str, url: str, bodies: list[dict], concurrency: int, want: lis
            "tokens_per_s": sum(a["usage"]["completion_tokens"] for a, _ in ok) / run["seconds"],
            "mean_s": sum(latencies) / len(latencies), "p50_s": latencies[len(latencies) // 2],
            "p99_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
-           "server_cpu_s": spent.get(server, 0.0), "ray_cpu_s": spent.get("ray", 0.0),
-           "client_cpu_s": spent["client"], "server_busy": spent.get(server, 0.0) / run["seconds"] / cores,
+           "server_cpu_s": server_cpu, "ray_cpu_s": spent.get("ray", 0.0),
+           "client_cpu_s": spent["client"], "server_busy": server_cpu / run["seconds"] / cores,
            "errors": len(bodies) - len(ok), "differ": sum(t is not None and t != w for t, w in zip(texts, want)),
            "load": load_average()}
     print(json.dumps(row), flush=True)
     return row
+
+
+def load_each(urls: list[str], bodies: list[dict], concurrency: int) -> dict:
+    """`load` of one server, or of several at once, server i taking bodies i, i + n, ... with its share of the
+    clients; the answers in the order of `bodies`."""
+    if len(urls) == 1:
+        return load(urls[0], bodies, concurrency)
+    from concurrent.futures import ThreadPoolExecutor
+
+    n = len(urls)
+    began = time.perf_counter()
+    with ThreadPoolExecutor(n) as pool:
+        runs = list(pool.map(lambda i: load(urls[i], bodies[i::n], concurrency // n), range(n)))
+    results = [None] * len(bodies)
+    for i, run in enumerate(runs):
+        results[i::n] = run["results"]
+    return {"results": results, "seconds": time.perf_counter() - began}
 
 
 def round_trip(name: str, url: str, count: int) -> dict:
@@ -164,6 +187,7 @@ def summary(rows: list[dict], trips: list[dict]) -> None:
     loaded = max(r["clients"] for r in rows)
     one, two, direct = median[RAY[1], loaded], median[RAY[2], loaded], median[DIRECT, loaded]
     print(json.dumps({"two_over_one_replica": two["tokens_per_s"] / one["tokens_per_s"],
+                      "two_direct_over_one": median[TWO_DIRECT, loaded]["tokens_per_s"] / direct["tokens_per_s"],
                       "ray_added_mean_s_loaded": one["mean_s"] - direct["mean_s"],
                       "ray_added_mean_s_alone": median[RAY[1], 1]["mean_s"] - median[DIRECT, 1]["mean_s"],
                       "round_trip_ms": trip, "ray_added_round_trip_ms": trip[RAY[1]] - trip[DIRECT]}))
@@ -194,34 +218,40 @@ def main() -> None:
     want = [dllm.generate(model, tok, p, cache=args.cache).texts[0] for p in prompts]
     rows, trips = [], []
 
-    port = free_port()  # the direct server: one process, one torch thread
-    urls = {DIRECT: f"http://127.0.0.1:{port}"}
-    proc = subprocess.Popen([sys.executable, "-m", "dllm.cli", "serve", "--model", args.model, "--cache", args.cache,
-                             "--max-batch", str(args.max_batch), "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    urls, procs = {}, []
+    for _ in range(2):  # the direct servers: a process each, one torch thread each
+        port = free_port()
+        urls.setdefault(DIRECT, []).append(f"http://127.0.0.1:{port}")
+        procs.append(subprocess.Popen([sys.executable, "-m", "dllm.cli", "serve", "--model", args.model, "--cache",
+                                       args.cache, "--max-batch", str(args.max_batch), "--port", str(port)],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                      env={**os.environ, "OMP_NUM_THREADS": "1"}))
+    urls[TWO_DIRECT], urls[DIRECT] = urls[DIRECT], urls[DIRECT][:1]
+    pids = [proc.pid for proc in procs]
     port = free_port()
     # 3 logical CPUs: the three replicas (1 + 2) deployed side by side; at most two of them busy at a time
     ray.init("local", num_cpus=3, include_dashboard=False, log_to_driver=False, logging_level="warning")
     try:
-        wait_answer(urls[DIRECT], bodies[0], proc, time.perf_counter())
+        for url, proc in zip(urls[TWO_DIRECT], procs):
+            wait_answer(url, bodies[0], proc, time.perf_counter())
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         for replicas in (1, 2):
             options = {"model": args.model, "cache": args.cache, "max_batch": args.max_batch,
                        "num_replicas": replicas, "num_cpus": 1, "max_ongoing_requests": args.max_ongoing_requests}
             route = ROUTE[RAY[replicas]]
             serve.run(app(options), name=route, route_prefix=f"/{route}")
-            urls[RAY[replicas]] = f"http://127.0.0.1:{port}/{route}"
-            load(urls[RAY[replicas]] + "/v1/chat/completions", bodies[:4], 4)  # warm-up
+            urls[RAY[replicas]] = [f"http://127.0.0.1:{port}/{route}"]
+            load(urls[RAY[replicas]][0] + "/v1/chat/completions", bodies[:4], 4)  # warm-up
         setups = list(urls)
         for turn in range(args.rounds):
-            for name in setups[turn % 3:] + setups[:turn % 3]:
-                rows.append(measure(name, urls[name], bodies, args.concurrency, want, proc.pid))
-                if name != RAY[2]:
-                    rows.append(measure(name, urls[name], bodies[:args.sequential], 1, want, proc.pid))
-                    trips.append(round_trip(name, urls[name], args.round_trips))
+            for name in setups[turn % len(setups):] + setups[:turn % len(setups)]:
+                rows.append(measure(name, urls[name], bodies, args.concurrency, want, pids))
+                if name in (DIRECT, RAY[1]):
+                    rows.append(measure(name, urls[name], bodies[:args.sequential], 1, want, pids))
+                    trips.append(round_trip(name, urls[name][0], args.round_trips))
     finally:
-        stop(proc)
+        for proc in procs:
+            stop(proc)
         serve.shutdown()
         ray.shutdown()
     summary(rows, trips)
