@@ -93,8 +93,9 @@ def check_policies(model: DiffusionLM, sampler: Sampler, cache: Cache, compile: 
                         f"other type); use --dtype bfloat16 or drop --compile")
 
 
-def check_prefix_cache(model: DiffusionLM, cache: Cache, prefix_cache) -> None:
-    """A prefix cache (`cache.PrefixBlocks`) is made for this model and filled through the cache's store."""
+def check_prefix_cache(model: DiffusionLM, cache: Cache, prefix_cache, guidance: Guidance) -> None:
+    """A prefix cache (`cache.PrefixBlocks`) is made for this model, filled through the cache's store, and not
+    asked to keep guided rows."""
     if prefix_cache is None:
         return
     if not cache.keeps_final_blocks:
@@ -102,6 +103,9 @@ def check_prefix_cache(model: DiffusionLM, cache: Cache, prefix_cache) -> None:
                         f"{cache.name!r} recomputes them: use cache block or no prefix cache")
     if prefix_cache.model is not model:
         raise DllmError("this prefix cache holds another model's keys and values; make one per model")
+    if guidance.guided:
+        raise DllmError("a prefix cache keeps the keys and values of guided rows only; with cfg_scale drop the "
+                        "prefix cache")
 
 
 def check_guidance(model: DiffusionLM, sampler: Sampler, cache: Cache, guidance: Guidance) -> None:

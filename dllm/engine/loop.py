@@ -67,10 +67,7 @@ class Batch:
         check_policies(model, sampler, cache, compile)
         check_guidance(model, sampler, cache, guidance)
         check_block_layout(model, block_length)
-        check_prefix_cache(model, cache, prefix_cache)
-        if prefix_cache is not None and guidance.guided:
-            raise DllmError("a prefix cache keeps the keys and values of guided rows only; with cfg_scale drop the "
-                            "prefix cache")
+        check_prefix_cache(model, cache, prefix_cache, guidance)
         self.model, self.sampler, self.cache, self.guidance = model, sampler, cache, guidance
         self.block_length, self.steps_per_block = block_length, steps_per_block
         self.stop_early, self.profile, self.callback, self.compile = stop_early, profile, callback, compile
