@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import tempfile
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +21,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from dllm.core.checks import check_int, check_seed
+from dllm.core.checks import check_int, check_output_dir, check_seed
 from dllm.core.errors import DllmError
 from dllm.engine import generate
 from dllm.engine.checks import check_policies
@@ -131,22 +130,6 @@ def evaluate(model, tokenizer, task: str, sampler: str | Any = None, cache: str 
         _write_records(out_dir / "results.jsonl", done + [r for i, r in records.items() if i not in ids])
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
-
-
-def check_output_dir(output: str | Path) -> None:
-    """Fail before any work if `output` cannot hold the results (tried: root ignores permission bits)."""
-    out = Path(output)
-    if out.exists() and not out.is_dir():
-        raise DllmError(f"--output {output} is a file; give a directory")
-    existing = next(p for p in (out, *out.parents) if p.exists())
-    if not existing.is_dir():
-        raise DllmError(f"--output {output}: {existing} is a file; give a directory path")
-    try:
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as e:
-        raise DllmError(f"--output {output} is not writable ({existing}: {e.strerror}); choose another "
-                        f"directory") from None
 
 
 def count_records(output: str | Path, sweep: bool = False) -> int:

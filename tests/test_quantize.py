@@ -4,6 +4,7 @@ loading, the save/load round trip, and the one-line refusals."""
 import dataclasses
 import functools
 import json
+import os
 import sys
 
 import pytest
@@ -263,6 +264,30 @@ def test_the_quantize_command_refuses_before_loading(tmp_path, capsys):
     (tmp_path / "full" / "x").write_text("")
     assert main(["quantize", "--quantize", "int8", "--output", str(tmp_path / "full")]) == 2
     assert "not an empty directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("output,message", [
+    ("{tmp}/file/q", "--output {tmp}/file/q: {tmp}/file is a file; give a directory path"),
+    ("/proc/nope", "--output /proc/nope is not writable (/proc: "),
+])
+def test_the_quantize_command_checks_its_output_before_quantizing(tmp_path, capsys, monkeypatch, output, message):
+    """An output that cannot hold the checkpoint is one line before the model loads (it was a traceback after)."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(dllm, "load", lambda *a, **k: pytest.fail("the model loaded before the output was checked"))
+    assert main(["quantize", "--quantize", "int8", "--output", output.format(tmp=tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: " + message.format(tmp=tmp_path)) and err.count("\n") == 1, err
+
+
+def test_every_file_of_a_saved_checkpoint_gets_the_same_mode(tmp_path):
+    """safetensors writes its file 0600; the checkpoint's files all get the umask's mode (0644 under umask 022)."""
+    previous = os.umask(0o022)
+    try:
+        assert main(["quantize", "--quantize", "int8", "--output", str(tmp_path / "q")]) == 0
+    finally:
+        os.umask(previous)
+    modes = {f.name: oct(f.stat().st_mode & 0o777) for f in (tmp_path / "q").iterdir()}
+    assert set(modes.values()) == {"0o644"}, modes
 
 
 def test_a_tied_head_is_the_embedding_and_stays(tmp_path):

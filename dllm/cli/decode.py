@@ -8,7 +8,7 @@ from pathlib import Path
 from dllm import cache as caches
 from dllm import samplers as samplers_mod
 
-from ..core.checks import check_seed
+from ..core.checks import check_output_dir, check_seed
 from ..core.errors import DllmError
 from ..engine.text import check_plain_text
 from .flags import (
@@ -149,6 +149,7 @@ def quantize_command(args) -> int:
         raise DllmError("dllm quantize needs --quantize int8, int8-dynamic, int4 or fp8")
     if Path(args.output).is_file() or (Path(args.output).is_dir() and any(Path(args.output).iterdir())):
         raise DllmError(f"--output {args.output} exists and is not an empty directory; choose a new one")
+    check_output_dir(args.output)
     check_savable(args.quantize, args.device)
     model, tok = load_model(args)
     dllm.save_pretrained(model, tok, args.output)

@@ -5,13 +5,14 @@ import json
 import shlex
 import sys
 
+from ..core.checks import check_output_dir
 from ..core.errors import DllmError
 from .flags import flag_policies, load_model, settings_from
 
 
 def eval_command(args) -> int:
     """One configuration, the task's reference solutions (--gold), or a sweep of configurations (--sweep)."""
-    from dllm.eval.harness import check_output_dir, count_records
+    from dllm.eval.harness import count_records
 
     if args.output:
         check_output_dir(args.output)

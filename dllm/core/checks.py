@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import difflib
 import numbers
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from .errors import DllmError
@@ -37,3 +39,19 @@ def choose_from(name: Any, choices: Sequence[str], prefix: str = "") -> str:
     if close:
         return f"did you mean {' or '.join(repr(prefix + c) for c in close)}?"
     return f"choose one of {', '.join(prefix + c for c in choices)}"
+
+
+def check_output_dir(output: str | Path, flag: str = "--output") -> None:
+    """Fail before any work if `output` cannot hold the results (tried: root ignores permission bits)."""
+    out = Path(output)
+    if out.exists() and not out.is_dir():
+        raise DllmError(f"{flag} {output} is a file; give a directory")
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not existing.is_dir():
+        raise DllmError(f"{flag} {output}: {existing} is a file; give a directory path")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise DllmError(f"{flag} {output} is not writable ({existing}: {e.strerror}); choose another "
+                        f"directory") from None

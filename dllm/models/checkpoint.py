@@ -4,6 +4,7 @@ part by part, and writing a model back under the official names (`save_pretraine
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -202,6 +203,9 @@ def save_pretrained(model: DiffusionLM, tokenizer, path: str | Path) -> None:
         tensors, metadata = checkpoint_state(model), {}
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "model.safetensors"), metadata={**metadata, "format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path / "model.safetensors", 0o666 & ~umask)  # safetensors writes 0600; the other files get the umask's
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = model.generation_defaults
     config = {**{generation.keys.get(name, name): value for name, value in generation.values.items()},
