@@ -51,7 +51,8 @@ def describe_models() -> list[dict[str, str]]:
 
 
 def load(name_or_path: str, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
-         seed: int = 0, threads: int | None = None, quantize: str | None = None, quantize_head: bool = False):
+         seed: int = 0, threads: int | None = None, quantize: str | None = None, quantize_head: bool = False,
+         weights: bool = True):
     """Return `(model, tokenizer)` for a shipped name (`tiny-llada`), `random:<preset>`, or a local directory.
 
     dtype defaults to the checkpoint's own float type on GPU and float32 on CPU (bfloat16 for int4 and fp8).
@@ -71,19 +72,21 @@ def load(name_or_path: str, device: str | torch.device = "cpu", dtype: torch.dty
         dtype = check_quantization(quantize, device, dtype)
     elif quantize_head:
         raise DllmError("quantize_head quantizes the head with the rest: add quantize=SCHEME (--quantize int8)")
-    model, tokenizer = _load(str(name_or_path), device, dtype, seed, (quantize, quantize_head))
-    model.threads = set_threads(model, requested)
+    model, tokenizer = _load(str(name_or_path), device, dtype, seed, (quantize, quantize_head), weights)
+    if weights:
+        model.threads = set_threads(model, requested)
     return model, tokenizer
 
 
 def _load(name_or_path: str, device: torch.device, dtype: torch.dtype | None, seed: int,
-          quantization: tuple[str | None, bool]):
+          quantization: tuple[str | None, bool], weights: bool = True):
     if name_or_path.startswith("random:"):
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
             raise DllmError(f"seed (of the random weights) must be an integer in 0..2^63-1, got {seed!r}")
-        return _load_random(name_or_path.removeprefix("random:"), device, dtype or torch.float32, seed, quantization)
+        return _load_random(name_or_path.removeprefix("random:"), device, dtype or torch.float32, seed, quantization,
+                            weights)
     if name_or_path in shipped_models():  # a bare name; anything with a slash is a path, even `./tiny-llada`
-        return load_dir(SHIPPED_DIR / name_or_path, device, dtype, quantization)
+        return load_dir(SHIPPED_DIR / name_or_path, device, dtype, quantization, weights)
     path = Path(name_or_path).expanduser()
     if path.is_file():
         raise DllmError(f"{name_or_path} is a file; give the checkpoint directory that holds it ({path.parent})")
@@ -93,7 +96,7 @@ def _load(name_or_path: str, device: torch.device, dtype: torch.dtype | None, se
     if not path.is_dir():
         raise DllmError(f"unknown model {name_or_path!r}; {choose_from(name_or_path, available_models())} "
                         f"(or give a local checkpoint directory)")
-    return load_dir(path, device, dtype, quantization)
+    return load_dir(path, device, dtype, quantization, weights)
 
 
 def parse_device(device) -> torch.device:
@@ -129,14 +132,16 @@ def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
     raise DllmError(f"unsupported dtype {dtype!r}; use one of float32, bfloat16, float16")
 
 
-def _load_random(preset: str, device, dtype: torch.dtype, seed: int, quantization=(None, False)):
+def _load_random(preset: str, device, dtype: torch.dtype, seed: int, quantization=(None, False), weights=True):
     if preset not in PRESETS:
         raise DllmError(f"unknown random model 'random:{preset}'; {choose_from(preset, list(PRESETS), 'random:')}")
     from .tokenizer import build_char_tokenizer
 
     cfg = PRESETS[preset]
     _check_head(cfg, *quantization)
-    model = materialize(meta_model(cfg, dtype), device, random_fill(device, seed), *quantization)
+    model = meta_model(cfg, dtype)
+    if weights:
+        materialize(model, device, random_fill(device, seed), *quantization)
     return model.eval(), build_char_tokenizer(ARCHITECTURES_BY_NAME[cfg.arch].TOKENIZER_STYLE)
 
 
@@ -220,6 +225,28 @@ def _check_head(cfg: ModelConfig, quantize: str | None, quantize_head: bool) -> 
                         "--quantize-head")
 
 
+INTEGER_KEYS = {  # config.json keys our architectures read as integers (the names of every family's config)
+    "vocab_size", "embedding_size", "hidden_size", "d_model", "intermediate_size", "mlp_hidden_size",
+    "moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size", "dense_intermediate_size",
+    "num_hidden_layers", "n_layers", "num_attention_heads", "n_heads", "num_key_value_heads", "n_kv_heads", "head_dim",
+    "max_position_embeddings", "max_sequence_length", "num_experts", "num_experts_per_tok", "num_shared_experts",
+    "n_group", "topk_group", "first_k_dense_replace", "decoder_sparse_step", "sliding_window", "rotary_dim",
+    "canvas_length", "mask_token_id", "pad_token_id", "delete_token_id", "split_token_id", "image_token_id"}
+NUMBER_KEYS = {"rms_norm_eps", "rope_theta", "mlp_ratio", "partial_rotary_factor", "routed_scaling_factor"}
+
+
+def check_config_types(hf: dict, cfg_file: Path) -> None:
+    """A number-valued key of config.json (or of its text_config) that holds something else, named as the file
+    names it."""
+    for fields in (hf, hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}):
+        for key, value in fields.items():
+            if value is None or (key not in INTEGER_KEYS and key not in NUMBER_KEYS):
+                continue
+            kind = "an integer" if key in INTEGER_KEYS else "a number"
+            if isinstance(value, bool) or not isinstance(value, int if key in INTEGER_KEYS else (int, float)):
+                raise DllmError(f"{cfg_file}: {key} must be {kind}, got {value!r}; fix the file")
+
+
 def read_config(path: Path) -> tuple[dict, object]:
     """config.json without its null fields (null means unset in Hugging Face configs: our defaults apply) and
     the architecture module it names."""
@@ -227,6 +254,7 @@ def read_config(path: Path) -> tuple[dict, object]:
     if not cfg_file.exists():
         raise DllmError(f"{path} has no config.json; point at a Hugging Face model directory")
     hf = {key: value for key, value in read_json(cfg_file, "re-download the checkpoint").items() if value is not None}
+    check_config_types(hf, cfg_file)
     arch = architecture_of(hf)
     if arch is None:
         supported = ", ".join(dict.fromkeys(a.MODEL_TYPE for a in ARCHITECTURES_BY_NAME.values()))
@@ -239,7 +267,7 @@ def read_config(path: Path) -> tuple[dict, object]:
 DLM_PAD = "<|dlm_pad|>"  # apple/DiffuCoder's padding after the answer (a Dream-layout checkpoint)
 
 
-def load_dir(path: Path, device="cpu", dtype: torch.dtype | None = None, quantization=(None, False)):
+def load_dir(path: Path, device="cpu", dtype: torch.dtype | None = None, quantization=(None, False), weights=True):
     hf, arch = read_config(path)
     saved = saved_quantization(hf, path)
     if saved is not None:  # a checkpoint save_pretrained wrote from a quantized model: loads as it was saved
@@ -270,10 +298,10 @@ def load_dir(path: Path, device="cpu", dtype: torch.dtype | None = None, quantiz
     if dtype is None:
         dtype = torch.float32 if torch.device(device).type == "cpu" else _checkpoint_dtype(hf, path)
     model = meta_model(cfg, dtype)
-    if saved is not None:
+    if weights and saved is not None:
         materialize(model, device, quantized_fill(model, path, device))
         model.quantization = {"scheme": saved["scheme"], "head": saved["quantize_head"]}
-    else:
+    elif weights:
         skipped = getattr(arch, "SKIPPED_WEIGHTS", ())
         materialize(model, device, checkpoint_fill(model, path, arch.WEIGHT_NAMES, device, skipped), *quantization)
     model.generation_defaults = generation
