@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 import urllib.request
+import warnings
 
 import pytest
 
@@ -145,7 +146,12 @@ BAD = [
     ({"prompt": "copy: " + "a" * 400}, "exceeds the model's context"),
     ({"prompt": "copy: ab", "model": "gpt-4"}, "model 'gpt-4' is not served here"),
     ({"prompt": "copy: ab", "n": 2}, "n must be 1"),
-    ({"prompt": "copy: ab", "top_p": 0.9}, "top_p is not supported (the sampler decides what to commit)"),
+    ({"prompt": "copy: ab", "top_p": 0.9}, "top_p is not supported by sampler 'low_confidence'"),
+    ({"prompt": "copy: ab", "response_format": {"type": "json_object"}},
+     "response_format is an OpenAI field this server does not support; drop it"),
+    ({"prompt": "copy: ab", "logit_bias": {"5": 10}}, "logit_bias is an OpenAI field this server does not support"),
+    ({"prompt": "copy: ab", "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tools is an OpenAI field this server does not support"),
     ({"prompt": "copy: ab", "max_tokens": 0}, "max_tokens must be at least 1"),
     ({"prompt": "copy: ab", "seed": "x"}, "seed must be an integer"),
     ({"prompt": "copy: ab", "stream": "yes"}, "stream must be true or false"),
@@ -173,6 +179,46 @@ def test_clients_default_fields_are_accepted(server):
     with_defaults = post(server.url + "/v1/chat/completions", chat("copy: abcd", top_p=1, frequency_penalty=0,
                                                                    presence_penalty=0.0))
     assert with_defaults[0] == plain[0] == 200 and text_of(with_defaults[1]) == text_of(plain[1])
+
+
+@pytest.mark.parametrize("messages,message", [
+    ([{"role": "wizard", "content": "copy: abcd"}], "message 0: role 'wizard' is not one of system, user, assistant"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}],
+     "message 0: content part type 'image_url' is not supported; send text parts"),
+    ([{"role": "user", "content": [{"type": "text"}]}], "message 0: a text part needs \"text\": a string"),
+])
+def test_chat_messages_outside_what_we_serve_get_400(server, messages, message):
+    status, answer = post(server.url + "/v1/chat/completions", {"messages": messages})
+    assert status == 400 and answer["error"]["message"] == message + (
+        " ({\"type\": \"text\", \"text\": ...}) or a string" if "part type" in message else "")
+
+
+def test_text_parts_are_the_content_they_join(server):
+    """Content as a list of text parts (what OpenAI's SDKs send) is their text, joined by newlines; neutral values of
+    the OpenAI fields we do not implement change nothing."""
+    parts = [{"type": "text", "text": "copy: "}, {"type": "text", "text": "abcd"}]
+    plain = post(server.url + "/v1/chat/completions", chat("copy: \nabcd"))
+    split = post(server.url + "/v1/chat/completions", {"messages": [{"role": "user", "content": parts}],
+                                                       "logit_bias": {}, "response_format": {"type": "text"},
+                                                       "tools": []})
+    assert split[0] == plain[0] == 200 and text_of(split[1]) == text_of(plain[1])
+
+
+def test_top_p_goes_to_a_sampler_that_takes_it():
+    """Dream's samplers take top_p: the OpenAI field is their parameter, as in sampler_args and dllm.generate."""
+    model, tok = dllm.load("tiny-dream")
+    engine = Engine(model, tok, "tiny-dream", {**DEFAULTS, "sampler": "entropy"})
+    body = {"messages": [{"role": "user", "content": "copy: abcd"}], "sampler": "entropy"}
+    job = engine.job({**body, "top_p": 0.5}, chat=True)
+    assert job.sampler.top_p == 0.5 and job.key == engine.job({**body, "sampler_args": {"top_p": 0.5}}, chat=True).key
+
+
+def test_checking_the_defaults_at_start_says_nothing_of_prompt_formats(tiny):
+    """`dllm serve` checks its defaults on a one-token prompt, which is outside every prompt format: no note."""
+    model, tok = tiny
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Engine(model, tok, "tiny-llada", DEFAULTS).check_defaults()
 
 
 def test_bad_chat_and_json_get_400(server):

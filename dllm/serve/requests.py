@@ -17,12 +17,22 @@ from ..engine.guidance import Guidance
 from ..engine.logprobs import check_logprobs
 from ..engine.options import decoding_lengths, lengths_for_answer, settle
 from ..engine.text import answer_text, check_plain_text, encode_prompts, warn_outside_format
+from ..samplers import SAMPLERS
 
 OPENAI_FIELDS = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "seed", "stream",
                  "n", "stop", "user", "stream_options", "ignore_eos",  # ignore_eos as vLLM: decode every block
-                 "top_p", "frequency_penalty", "presence_penalty", "logprobs", "top_logprobs"}
+                 "top_p", "frequency_penalty", "presence_penalty", "logprobs", "top_logprobs",
+                 "store", "metadata", "service_tier", "parallel_tool_calls"}  # bookkeeping: no effect on the answer
 
 NEUTRAL = {"top_p": 1, "frequency_penalty": 0, "presence_penalty": 0}  # what clients send by default; no other value
+# (top_p goes to a sampler that takes it: Dream's)
+
+UNSUPPORTED = {  # OpenAI fields this server does not implement, with the values that leave them unused
+    "response_format": [{"type": "text"}], "logit_bias": [{}], "tools": [[]], "tool_choice": ["none"],
+    "functions": [[]], "function_call": ["none"], "suffix": [""], "echo": [False], "best_of": [1],
+    "modalities": [["text"]], "audio": [], "prediction": [], "reasoning_effort": [], "web_search_options": []}
+
+ROLES = ("system", "user", "assistant")
 
 LAYOUT_FIELDS = ("gen_length", "block_length", "steps")
 
@@ -156,10 +166,16 @@ class RequestReader:
                             f"(GET /v1/models)")
         if body.get("n", 1) != 1:
             raise DllmError(f"n must be 1, got {body['n']!r}; send one request per answer")
+        for name, unused in UNSUPPORTED.items():
+            if body.get(name) is not None and body[name] not in unused:
+                raise DllmError(f"{name} is an OpenAI field this server does not support; drop it")
+        sampler_name = body.get("sampler", self.defaults["sampler"])
+        takes = SAMPLERS.get(sampler_name).param_names() if isinstance(sampler_name, str) and \
+            sampler_name in SAMPLERS.classes else ()
         for name, neutral in NEUTRAL.items():
-            if body.get(name, neutral) not in (None, neutral):
-                raise DllmError(f"{name} is not supported (the sampler decides what to commit); drop it or send "
-                                f"{neutral}")
+            if body.get(name, neutral) not in (None, neutral) and name not in takes:
+                raise DllmError(f"{name} is not supported by sampler {sampler_name!r} (the sampler decides what to "
+                                f"commit); drop it or send {neutral}")
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise DllmError(f"stream must be true or false, got {stream!r}")
@@ -172,10 +188,10 @@ class RequestReader:
             raise DllmError(f"stop must be a string or a list of non-empty strings, got {body.get('stop')!r}")
         logprobs = _logprobs(body, chat)
         ids = self._prompt_ids(body, chat)
-        params = {k: v for k, v in body.items() if k not in OPENAI_FIELDS and k not in LAYOUT_FIELDS
-                  and k not in GUIDANCE_FIELDS and k not in ("sampler", "cache", "sampler_args", "cache_args")}
-        if body.get("temperature") is not None:
-            params["temperature"] = body["temperature"]
+        params = {k: v for k, v in body.items() if k not in OPENAI_FIELDS and k not in UNSUPPORTED
+                  and k not in LAYOUT_FIELDS and k not in GUIDANCE_FIELDS
+                  and k not in ("sampler", "cache", "sampler_args", "cache_args")}
+        params.update({k: body[k] for k in ("temperature", *NEUTRAL) if body.get(k) is not None and k in takes})
         for name in ("sampler_args", "cache_args"):
             if not isinstance(body.get(name) or {}, dict):
                 raise DllmError(f"{name} must be a JSON object of parameters, got {body[name]!r}")
@@ -240,9 +256,10 @@ class RequestReader:
             return encode_prompts(tok, [prompt], chat=False)[0]
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), (str, list))
                 for m in messages):
             raise DllmError("messages must be a non-empty list of {\"role\": ..., \"content\": \"text\"} objects")
+        messages = [{"role": _role(m["role"], i), "content": _text(m["content"], i)} for i, m in enumerate(messages)]
         if getattr(tok, "chat_template", None) is None:
             raise DllmError("this model's tokenizer has no chat template; use /v1/completions")
         for i, m in enumerate(messages):
@@ -251,6 +268,26 @@ class RequestReader:
             return encode_prompts(tok, [messages[0]["content"]], chat=True)[0]  # exactly `dllm generate`'s
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return encode_prompts(tok, [text], chat=False)[0]
+
+
+def _role(role: str, i: int) -> str:
+    if role not in ROLES:
+        raise DllmError(f"message {i}: role {role!r} is not one of {', '.join(ROLES)}")
+    return role
+
+
+def _text(content: str | list, i: int) -> str:
+    """A message's text: its content, or its text parts joined by newlines (as OpenAI's SDKs send content)."""
+    if isinstance(content, str):
+        return content
+    kinds = [part.get("type") if isinstance(part, dict) else type(part).__name__ for part in content]
+    other = next((kind for kind in kinds if kind != "text"), None)
+    if other is not None:
+        raise DllmError(f"message {i}: content part type {other!r} is not supported; send text parts "
+                        f"({{\"type\": \"text\", \"text\": ...}}) or a string")
+    if not all(isinstance(part.get("text"), str) for part in content):
+        raise DllmError(f"message {i}: a text part needs \"text\": a string")
+    return "\n".join(part["text"] for part in content)
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,7 +13,7 @@ import torch
 
 from ..cache import CACHES, PrefixBlocks
 from ..core.checks import check_int
-from ..core.errors import DllmError
+from ..core.errors import DllmError, DllmNotice
 from ..engine.loop import Batch, Row
 from .metrics import Metrics
 from .requests import Job, RequestReader
@@ -85,7 +86,9 @@ class Engine:
             raise DllmError(f"--prefix-cache-mb reuses the keys and values cache 'block' keeps; the default cache "
                             f"{cache!r} recomputes them: use --cache block or drop --prefix-cache-mb")
         try:
-            self.job({"prompt": [self.model.config.filler_id]}, chat=False)
+            with warnings.catch_warnings():  # a one-token prompt is outside any prompt format: not the user's
+                warnings.simplefilter("ignore", DllmNotice)
+                self.job({"prompt": [self.model.config.filler_id]}, chat=False)
         except DllmError as e:
             raise DllmError(f"the server's defaults cannot answer any request: {e}") from None
 
