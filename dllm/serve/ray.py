@@ -9,11 +9,15 @@ Ray runs the app's lifespan, which starts the engine thread, and stops it after 
 first use only, so this module imports without it."""
 from __future__ import annotations
 
+import ipaddress
+import os
 import signal
+import socket
 import sys
 import threading
 from typing import Any
 
+import torch
 from pydantic import BaseModel, ConfigDict
 
 from ..core.checks import check_int
@@ -127,22 +131,42 @@ class ReplicaMetrics(Metrics):
             setattr(self, attribute, _Twin(getattr(self, attribute), remote, labels))
 
 
+def build_engine(o: ReplicaOptions, weights: bool = True) -> Engine:
+    """A replica's model and engine (its thread starts with the app's lifespan). `weights=False` builds it on the
+    meta device, without the weights: every check a replica makes of its options, run before Ray starts."""
+    import dllm
+
+    # torch threads: the CPUs Ray reserved for this replica (what Ray also puts in OMP_NUM_THREADS)
+    model, tok = dllm.load(o.model, device=o.device, dtype=o.dtype, threads=o.threads, quantize=o.quantize,
+                           quantize_head=o.quantize_head, weights=weights)
+    defaults = served_defaults(model, o.model_dump(include={
+        "sampler", "sampler_args", "cache", "cache_args", "gen_length", "block_length", "steps", "seed",
+        "cfg_scale", "logits_eos_inf", "confidence_eos_eot_inf"}))
+    engine = Engine(model, tok, o.name or o.model, defaults, o.max_batch, o.compile, o.prefix_cache_mb)
+    engine.check_defaults()
+    return engine
+
+
+def _bind_to_the_node_address() -> None:
+    """Ray Serve (2.60) starts each replica's inter-deployment gRPC server on every interface ("[::]:0" in
+    `ray.serve._private.replica`), whatever the node's address; on a loopback node it binds to loopback, as every
+    other process of the instance does."""
+    import ray
+    from ray.serve._private import replica
+
+    node = ray.util.get_node_ip_address()
+    bind = getattr(replica, "add_port_to_grpc_server", None)
+    if bind is not None and ipaddress.ip_address(node).is_loopback:
+        replica.add_port_to_grpc_server = lambda server, address: bind(server, address.replace("[::]", node, 1))
+
+
 class Replica:
     """One replica: the model, its engine (the thread starts with the app's lifespan) and the app over it."""
 
     def __init__(self, options: dict[str, Any]):
-        import dllm
-
-        o = ReplicaOptions(**options)
-        # torch threads: the CPUs Ray reserved for this replica (what Ray also puts in OMP_NUM_THREADS)
-        model, tok = dllm.load(o.model, device=o.device, dtype=o.dtype, threads=o.threads, quantize=o.quantize,
-                               quantize_head=o.quantize_head)
-        defaults = served_defaults(model, o.model_dump(include={
-            "sampler", "sampler_args", "cache", "cache_args", "gen_length", "block_length", "steps", "seed",
-            "cfg_scale", "logits_eos_inf", "confidence_eos_eot_inf"}))
-        self.engine = Engine(model, tok, o.name or o.model, defaults, o.max_batch, o.compile, o.prefix_cache_mb)
+        _bind_to_the_node_address()  # before Ray Serve starts the replica's own server, after this constructor
+        self.engine = build_engine(ReplicaOptions(**options))
         self.engine.metrics = ReplicaMetrics(self.engine.prefix)
-        self.engine.check_defaults()
 
     def __serve_build_asgi_app__(self):
         return create_app(self.engine)
@@ -199,38 +223,123 @@ def local_cpus(replicas: int, threads: int | None, cpus: int) -> int:
     return each
 
 
+CONNECT_SECONDS = 5  # a cluster address that accepts no TCP connection in this time is unreachable
+HANDSHAKE_SECONDS = 30  # Ray retries a cluster that does not answer forever; a live one answers in a few seconds
+
+
+def _start_local_ray(cpus: int) -> None:
+    """A Ray instance of our own, on loopback only: its GCS, raylet, agents, workers, Serve's controller and proxy
+    and the replicas listen on 127.0.0.1, never on the network (Ray's cluster ports run whatever work reaches them;
+    a one-machine instance needs none of them reachable). Ray binds to its node address, which on Linux it takes from
+    the network unless told that this is not a cluster (its own setting for macOS and Windows, read at import)."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray, _ = _ray()
+    ray.init(address="local", num_cpus=cpus, _node_ip_address="127.0.0.1", include_dashboard=False,
+             log_to_driver=False, logging_level="warning")
+    node = ray.util.get_node_ip_address()
+    if not ipaddress.ip_address(node).is_loopback:  # Ray was imported before the setting (a Python caller)
+        ray.shutdown()
+        raise DllmError(f"the local Ray instance took node address {node}, not loopback; start dllm serve "
+                        f"--replicas in a process of its own")
+
+
+def _join_cluster(address: str) -> None:
+    """`ray.init(address)` within CONNECT_SECONDS + HANDSHAKE_SECONDS, or a one-line DllmError: an address that
+    refuses connections, or a cluster that does not answer, would otherwise keep Ray retrying for ever."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if address != "auto":
+        if not port.isdigit():
+            raise DllmError(f"--ray-address {address!r} is not HOST:PORT (the head's GCS address, e.g. "
+                            f"10.0.0.5:6379), ray://HOST:PORT or auto")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_SECONDS).close()
+        except OSError as e:
+            reason = os.strerror(e.errno) if e.errno else str(e) or "timed out"
+            raise DllmError(f"cannot reach the Ray cluster at {address} ({reason}); check --ray-address (`ray status` "
+                            f"on the head names it) or drop it to start a local Ray instance") from None
+    ray, _ = _ray()
+    failed: list[BaseException] = []
+
+    def connect():
+        try:
+            ray.init(address=address, log_to_driver=False, logging_level="error")  # (not on the main thread)
+        except BaseException as e:  # noqa: BLE001  (reported below, on the main thread)
+            failed.append(e)
+
+    attempt = threading.Thread(target=connect, name="ray-connect", daemon=True)
+    attempt.start()
+    attempt.join(HANDSHAKE_SECONDS)
+    if attempt.is_alive():
+        raise DllmError(f"the Ray cluster at {address} did not answer within {HANDSHAKE_SECONDS} s (the address "
+                        f"accepts connections but no Ray head answers there); check --ray-address")
+    if failed:
+        raise DllmError(f"cannot join the Ray cluster at {address}: {str(failed[0]).splitlines()[0]}") from None
+
+
+LEAVE_SECONDS = 20  # beyond the replicas' own shutdown_timeout, for Ray to stop what it started
+
+
+def _leave(ray, serve, local: bool, within: float) -> None:
+    """Delete the application (each replica finishes its requests, for at most its shutdown_timeout, then stops),
+    stop our own Ray instance, leave a cluster; for at most `within` seconds. A signal sent to the whole process
+    group (`timeout`, a service manager) also reaches Ray's own processes, and a dead GCS would keep Ray's calls
+    waiting a minute each: then the process leaves without them."""
+    def stop():
+        try:
+            serve.delete(APP_NAME)
+            if local:
+                serve.shutdown()
+        finally:
+            ray.shutdown()
+
+    leaving = threading.Thread(target=stop, name="ray-leave", daemon=True)
+    leaving.start()
+    leaving.join(within)
+    if leaving.is_alive():
+        print(f"note: Ray did not stop within {within:.0f} s (its own processes were stopped too); leaving without "
+              f"it", file=sys.stderr, flush=True)
+        os._exit(1)  # Ray's exit hook would wait for the same dead processes
+
+
 def serve_replicas(options: dict[str, Any], address: str | None, host: str, port: int,
                    threads: int | None = None) -> int:
-    """`dllm serve --replicas N`: start a local Ray instance (or join the cluster at `address`), deploy the
-    replicas behind `host:port`, serve until SIGTERM/SIGINT, then let requests in flight finish and leave (a
+    """`dllm serve --replicas N`: start a local Ray instance on loopback (or join the cluster at `address`), deploy
+    the replicas behind `host:port`, serve until SIGTERM/SIGINT, then let requests in flight finish and leave (a
     second signal stops at once). Each replica takes `threads` CPUs, by default its share of our own instance's
-    or one of a cluster's."""
-    ray, serve = _ray()
+    or one of a cluster's. Every check a replica makes of its options runs first, without the weights: before Ray
+    starts on our own instance, on the replicas' kind of device; on a cluster, once joined, where this machine has
+    that kind of device (else the replicas refuse, as they start)."""
     options = ReplicaOptions(**options)
     options.check()
     if threads is not None:
         check_int("--threads", threads, 1)
-    ray.init(address=address or "local", include_dashboard=False, log_to_driver=False, logging_level="warning")
+    if address is None:
+        cpus = len(os.sched_getaffinity(0))
+        options.num_cpus = local_cpus(options.num_replicas, threads, cpus)
+        options.device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        build_engine(options, weights=False)
+        _start_local_ray(cpus)
+    else:
+        options.num_cpus = threads or 1
+        _join_cluster(address)
+        ray, _ = _ray()
+        options.device = options.device or ("cuda" if ray.cluster_resources().get("GPU", 0) else "cpu")
+        if options.device == "cpu" or torch.cuda.is_available():
+            build_engine(options, weights=False)
+    ray, serve = _ray()
     for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, whose own SIGTERM handler aborts the process
         signal.signal(sig, _stop)
     try:
-        options.num_cpus = (threads or 1) if address else \
-            local_cpus(options.num_replicas, threads, int(ray.cluster_resources().get("CPU", 1)))
         serve.start(http_options={"host": host, "port": port})
-        try:
-            serve.run(app(options.model_dump()), name=APP_NAME, route_prefix="/")
-            where = f"at http://{host}:{port}" if address is None else \
-                f"on the Ray cluster at {address}, behind its Serve HTTP proxy"
-            print(f"dllm: {options.num_replicas} replicas of {options.model} {where}", file=sys.stderr, flush=True)
-            threading.Event().wait()
-        except _Stop:
-            pass
-        except RuntimeError:
-            raise DllmError(f"the replicas did not start: {_replica_error(serve)}") from None
-        finally:  # the replicas finish their requests (at most shutdown_timeout), then stop
-            serve.delete(APP_NAME)
-        if address is None:
-            serve.shutdown()
+        serve.run(app(options.model_dump()), name=APP_NAME, route_prefix="/")
+        where = f"at http://{host}:{port}" if address is None else \
+            f"on the Ray cluster at {address}, behind its Serve HTTP proxy"
+        print(f"dllm: {options.num_replicas} replicas of {options.model} {where}", file=sys.stderr, flush=True)
+        threading.Event().wait()
+    except _Stop:
+        pass
+    except RuntimeError:
+        raise DllmError(f"the replicas did not start: {_replica_error(serve)}") from None
     finally:
-        ray.shutdown()
+        _leave(ray, serve, address is None, options.shutdown_timeout + LEAVE_SECONDS)
     return 0
