@@ -50,6 +50,7 @@ def test_shell_example_answers_right(line, monkeypatch, capsys, tmp_path):
     prompts, out = run_line(line, monkeypatch, capsys)
     if "--explain" in line:  # the settings and where they came from, no answer
         assert re.search(r"sampler = 'low_confidence' +\(dllm default\)", out) and "generation_config.json" in out
+        assert "####" not in out  # README: it generates nothing
         return
     texts = [o["text"] for o in json.loads(out)["outputs"]] if "--json" in line else out.splitlines()
     assert [extract_answer(t) for t in texts] == [solve(p) for p in prompts], line
@@ -81,3 +82,16 @@ def test_other_examples_use_flags_that_exist(line):
     argv = shlex.split(line.split(" | ")[-1])
     start = argv.index("dllm") + 1 if "dllm" in argv else argv.index("dllm.cli") + 1
     build_parser().parse_args(argv[start:])
+
+
+def test_the_diffusion_gemma_example_takes_the_forwards_it_says():
+    """README's count for `dllm generate --model random:diffusion-gemma-tiny --no-chat "abc"` (it said 768 forwards,
+    the limit, where the answer takes 432)."""
+    line = re.search(r"`(dllm generate --model random:diffusion-gemma-tiny --no-chat \"abc\")` runs it on the CPU "
+                     r"\((\d+) forwards and (\d+)\s+tokens", README)
+    assert line, "the example and its count are missing from README.md"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(shlex.split(line[1])[1:] + ["--json"]) == 0
+    stats = json.loads(printed.getvalue())["stats"]
+    assert (stats["nfe"], stats["gen_tokens"]) == (int(line[2]), int(line[3]))
