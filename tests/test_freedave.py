@@ -257,8 +257,8 @@ def test_threshold_is_threshold_decoding_in_at_most_its_forwards(name, threshold
     """Fidelity configuration (d), and thresholds where threshold decoding often commits one token a step: with
     `threshold`, speculative gives sampler threshold's tokens (one batch of all prompts) in at most its forwards."""
     model, prompts = model_and_prompts(name)
-    want, plain = ours(model, prompts, 32, 8, cache, sampler="threshold", threshold=threshold)
-    got, stats = ours(model, prompts, 32, 8, cache, threshold=threshold)
+    want, plain = ours(model, prompts, 16, 8, cache, sampler="threshold", threshold=threshold)
+    got, stats = ours(model, prompts, 16, 8, cache, threshold=threshold)
     assert got == want and stats.nfe <= plain.nfe
 
 
