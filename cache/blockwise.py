@@ -4,7 +4,10 @@ and whose logits decode that step, so refreshes cost no extra forward.
 
 Deviation kept on purpose: for AR-shifted models (Dream) the computed window starts one row earlier
 (`start - 1`), so every block position is scored by a recomputed predecessor (d2Cache's choice) instead of
-Fast-dLLM's unconditional commit of the first block token at block start."""
+Fast-dLLM's unconditional commit of the first block token at block start. A sampler that commits that token at the
+block start and asks for no logits of it afterwards (`logit_window`; speculative's `force_first`, FreeDave's Dream
+path) gets the block alone, the row before it kept as the block start left it, as Fast-dLLM's and FreeDave's caches
+keep it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -48,7 +51,7 @@ class PrefixCache(_Refreshing):
     """Fast-dLLM PrefixCache: cache prompt and finished blocks; recompute the block and everything after it."""
 
     def active_rows(self, step, start, end, length, shift):
-        return slice(0, length) if self.full_step(step) else slice(start - shift, length)
+        return slice(0, length) if self.full_step(step) else slice(start, length)
 
 
 @register("dual")
@@ -57,7 +60,7 @@ class DualCache(_Refreshing):
     """Fast-dLLM DualCache: cache prefix and masked suffix; recompute only the current block."""
 
     def active_rows(self, step, start, end, length, shift):
-        return slice(0, length) if self.full_step(step) else slice(start - shift, end)
+        return slice(0, length) if self.full_step(step) else slice(start, end)
 
 
 @register("block")

@@ -117,7 +117,9 @@ class Sampler(Params):
     def logit_window(self, prompt_length: int, length: int, start: int, end: int, step: int) -> tuple[int, int]:
         """Hook: canvas range `[lo, hi)` whose logits this step needs (default: the block). The loop widens
         the computed rows to cover it, and counts them (dkv, dkv_greedy and elastic compute only the rows of
-        positions that may be committed; the others, served from the store, get zero logits)."""
+        positions that may be committed; the others, served from the store, get zero logits). The step sees the
+        logits of the window and the block; a block position outside the window (a first position committed at
+        the block's first step) is scored by whatever row the cache computed, so it must be committed already."""
         return start, end
 
     def next_commits(self, state: SimpleNamespace) -> Tensor | None:
@@ -265,9 +267,9 @@ def top_k_per_row(confidence: Tensor, eligible: Tensor, k: Tensor) -> Tensor:
 
 def most_confident(confidence: Tensor, eligible: Tensor) -> Tensor:
     """`top_k_per_row` with k = 1 in a third of the tensor ops: the most confident eligible position of each row
-    with any (argmax takes the first of equal maxima, so ties go to the lowest position)."""
-    best = confidence.masked_fill(~eligible, float("-inf")).argmax(1, keepdim=True)
-    return torch.zeros_like(eligible).scatter_(1, best, True) & eligible
+    `[..., C]` with any (argmax takes the first of equal maxima, so ties go to the lowest position)."""
+    best = confidence.masked_fill(~eligible, float("-inf")).argmax(-1, keepdim=True)
+    return torch.zeros_like(eligible).scatter_(-1, best, True) & eligible
 
 
 def quota(ctx: StepContext) -> Tensor:

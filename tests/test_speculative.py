@@ -59,10 +59,11 @@ def test_one_draft_is_stepwise_forward_for_forward(model):
     assert stats.rows_per_layer == stepwise.rows_per_layer
 
 
-def test_padded_rows_match_their_prompts_alone(model):
-    batch, _, _ = run(model, "speculative", "dual")
+@pytest.mark.parametrize("params", [{}, {"force_first": True, "threshold": 0.2}])
+def test_padded_rows_match_their_prompts_alone(model, params):
+    batch, _, _ = run(model, "speculative", "dual", **params)
     for row, prompt in enumerate(PROMPTS):
-        alone, _, _ = run(model, "speculative", "dual", prompts=[prompt])
+        alone, _, _ = run(model, "speculative", "dual", prompts=[prompt], **params)
         assert torch.equal(batch.tokens[row, batch.prompt_length:], alone.tokens[0, alone.prompt_length:])
 
 

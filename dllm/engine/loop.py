@@ -278,14 +278,14 @@ class Batch:
         return sum(self.stats.rows_per_layer) + sum(live)
 
     def _plan(self, step: int, start: int, end: int) -> tuple[int, int, Rows]:
-        """The candidate window `[lo, hi)` of a step and the rows the cache computes for it."""
+        """The candidate window `[lo, hi)` of a step (the sampler's `logit_window` and the block) and the rows the
+        cache computes for the logits the sampler asked for."""
         canvas, cfg, sampler = self.canvas, self.model.config, self.stacked
         lo, hi = sampler.logit_window(canvas.prompt_length, canvas.tokens.shape[1], start, end, step)
-        lo, hi = min(lo, start), max(hi, end)
         masked, before = canvas.pending(), self.masked_at_plan
         self.masked_at_plan = masked
         next_commits = sampler.next_commits(self.state) if self.cache.needs_next_commits else None
-        return lo, hi, self.cache.plan(self.runner.kv, caches.PlanContext(
+        return min(lo, start), max(hi, end), self.cache.plan(self.runner.kv, caches.PlanContext(
             canvas=canvas, masked=masked, masked_before=before, next_commits=next_commits, step=step, start=start,
             end=end, lo=lo, hi=hi, shift=cfg.logit_shift, family=self.family))
 
