@@ -64,6 +64,8 @@ class Commit:
     # uniform-state canvas, renoised)
     logits: Tensor | None = None  # [B, C, V] the logits the tokens were drawn from when they are not the step's
     # (CreditDecoding's fused logits); `log_distribution` of them is what `logprobs` reports
+    given_up: Tensor | None = None  # [B, C] bool: masked positions given up for good (DUS's remasking): they stay
+    # masked in the answer, and the block ends without them
 
 
 @dataclass
@@ -79,6 +81,7 @@ class Sampler(Params):
     commits_past_block: ClassVar[bool] = False  # may commit masks of later blocks (Prophet's early exit)
     reads_decoded_logits: ClassVar[bool] = False  # reads logits of decoded positions of its window (Prophet's gap)
     may_commit_nothing: ClassVar[bool] = False  # a step before the block's last may commit nothing (Dream's origin)
+    leaves_masks: ClassVar[bool] = False  # may give positions up (`Commit.given_up`), so an answer may hold masks
     batch_params: ClassVar[tuple[str, ...]] = ()  # numeric parameters the rows of a batch share (they set the logits
     # the batch computes); the others may differ per row (`stack_rows`)
     orders_by_token_probability: ClassVar[bool] = True  # commits in the order of `token_probability` (or at random),
