@@ -1,4 +1,4 @@
-"""DUS, the dilated unmasking scheduler (spec `strategies_2026.md` section 7): a plan fixed per block, confidence-free."""
+"""DUS, the dilated unmasking scheduler (spec `strategies_2026.md` section 7): a plan per block, confidence-free."""
 from __future__ import annotations
 
 import functools

@@ -1,5 +1,5 @@
-"""DUS (`samplers/dus.py`; arXiv 2506.19037) against a plain transcription of omerlux/DUS `generate_scheduled` (its early
-stop on stop tokens off), token for token and forward for forward (spec `strategies_2026.md`, fidelity
+"""DUS (`samplers/dus.py`; arXiv 2506.19037) against a plain transcription of omerlux/DUS `generate_scheduled` (its
+early stop on stop tokens off), token for token and forward for forward (spec `strategies_2026.md`, fidelity
 configurations); its plans against transcriptions of `dilated_unmask_levels`, `binary_search_levels` and
 `merge_last_level`; and what a row that ends with masks (positions given up) does in answers, stop detection,
 traces, continuous batching, logprobs and `dllm serve`."""

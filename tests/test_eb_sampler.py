@@ -151,10 +151,10 @@ def test_bits_in_blocks_is_dus_port(name, gamma):
     assert got == want
 
 
-@pytest.mark.parametrize("name,gamma", [(m, 1.0) for m in TRAINED + RANDOM] + [(m, 8.0) for m in RANDOM])
+@pytest.mark.parametrize("name,gamma", [(m, 1.0) for m in TRAINED] + [(m, 8.0) for m in RANDOM])
 def test_confidence_order_is_d2caches_port(name, gamma):
-    """(d) the d2Cache ordering at the same gamma (its entropies are in nats), G 32, B 8; on random models it
-    commits other positions than the entropy order does."""
+    """(d) the d2Cache ordering at the same gamma (its entropies are in nats), G 32, B 8 (gamma 8 on random models:
+    one to three a step); there it commits other positions than the entropy order does."""
     got, want = answers(name, d2cache_eb, 32, 8, gamma, order="confidence")
     assert got == want
     if name in RANDOM:
