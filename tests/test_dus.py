@@ -174,6 +174,22 @@ def test_an_answer_keeps_the_masks_given_up_and_its_text_leaves_them_out():
     assert all(out.sequences[b, p] == mask for b, p in given_up)
 
 
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual", "dkv", "dkv_greedy", "elastic"])
+def test_every_cache_leaves_exactly_the_given_up_positions_masked(cache):
+    """With positions given up, every cache runs (dkv_greedy computes the next level, known ahead) and the masks
+    left in the answers are exactly the positions the trace says were given up, on LLaDA and Dream."""
+    from dllm.engine import decode
+
+    for preset in RANDOM:
+        model = loaded(preset)[0]
+        canvas, stats, trace = decode(model, [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]],
+                                      samplers.SAMPLERS.create("dus", threshold=0.1), caches.CACHES.create(cache), 32,
+                                      8, stop_early=False, trace=True)
+        given_up = {(b, p) for step in trace for b, row in enumerate(step["given_up"]) for p in row}
+        assert given_up and set(map(tuple, (canvas.tokens == model.config.mask_id).nonzero().tolist())) == given_up
+        assert stats.nfe == 4 * 3 and stats.gen_tokens == 2 * 32 - len(given_up)  # 3 levels a block of 8
+
+
 def test_logprobs_are_refused_where_positions_are_given_up():
     model, tok = loaded("tiny-llada")
     with pytest.raises(DllmError, match="sampler 'dus' leaves the positions it gives up masked, which have no "
