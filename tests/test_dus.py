@@ -141,8 +141,8 @@ CONFIGS = {  # the spec's (a)-(d), and high_entropy
 def test_equals_generate_scheduled(name, config):
     gen_length, block_length, params = CONFIGS[config]
     model, tok = loaded(name)
-    masks_left = 0
-    for prompt, ids in zip(PROMPTS, encode_prompts(tok, PROMPTS, chat=True)):
+    masks_left, prompts = 0, PROMPTS if name in TRAINED else PROMPTS[:2]  # a random model answers all alike
+    for prompt, ids in zip(prompts, encode_prompts(tok, prompts, chat=True)):
         want = reference_generate(model, ids, gen_length, block_length, **params)
         assert ours(name, prompt, gen_length, block_length, **params) == want
         levels = levels_of(block_length, params.get("scheduler", "dilated"), 2, params.get("skip", 1))

@@ -128,9 +128,9 @@ def ours(model, tok, prompt, gen_length, block_length, **params):
 
 def answers(name, port, gen_length, block_length, gamma, **params):
     model, tok = loaded(name)
-    ids = encode_prompts(tok, PROMPTS, chat=True)
-    want = [port(model, one, gamma, gen_length, block_length) for one in ids]
-    got = [ours(model, tok, prompt, gen_length, block_length, gamma=gamma, **params) for prompt in PROMPTS]
+    prompts = PROMPTS if name in TRAINED else PROMPTS[:2]  # a random model answers all alike
+    want = [port(model, ids, gamma, gen_length, block_length) for ids in encode_prompts(tok, prompts, chat=True)]
+    got = [ours(model, tok, prompt, gen_length, block_length, gamma=gamma, **params) for prompt in prompts]
     return got, want
 
 
@@ -159,7 +159,7 @@ def test_confidence_order_is_d2caches_port(name, gamma):
     assert got == want
     if name in RANDOM:
         model, tok = loaded(name)
-        assert got != [ours(model, tok, prompt, 32, 8, gamma=gamma) for prompt in PROMPTS]
+        assert got != [ours(model, tok, prompt, 32, 8, gamma=gamma) for prompt in PROMPTS[:2]]
 
 
 ROWS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18, 19], [20, 21]]
