@@ -64,6 +64,8 @@ class Commit:
     # uniform-state canvas, renoised)
     logits: Tensor | None = None  # [B, C, V] the logits the tokens were drawn from when they are not the step's
     # (CreditDecoding's fused logits); `log_distribution` of them is what `logprobs` reports
+    given_up: Tensor | None = None  # [B, C] bool: masked positions given up for good (DUS's remasking): they stay
+    # masked in the answer, and the block ends without them
 
 
 @dataclass
@@ -79,6 +81,7 @@ class Sampler(Params):
     commits_past_block: ClassVar[bool] = False  # may commit masks of later blocks (Prophet's early exit)
     reads_decoded_logits: ClassVar[bool] = False  # reads logits of decoded positions of its window (Prophet's gap)
     may_commit_nothing: ClassVar[bool] = False  # a step before the block's last may commit nothing (Dream's origin)
+    leaves_masks: ClassVar[bool] = False  # may give positions up (`Commit.given_up`), so an answer may hold masks
     batch_params: ClassVar[tuple[str, ...]] = ()  # numeric parameters the rows of a batch share (they set the logits
     # the batch computes); the others may differ per row (`stack_rows`)
     orders_by_token_probability: ClassVar[bool] = True  # commits in the order of `token_probability` (or at random),
@@ -263,6 +266,32 @@ def top_k_per_row(confidence: Tensor, eligible: Tensor, k: Tensor) -> Tensor:
     rank.scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
     k = torch.minimum(k, eligible.sum(1))
     return (rank < k[:, None]) & eligible
+
+
+def token_entropy(logits: Tensor) -> Tensor:
+    """Entropy (nats) of softmax(logits) over the last dimension, in float32 (a -inf logit counts 0)."""
+    logp = logits.float().log_softmax(-1)
+    return -(logp.exp() * logp.clamp(min=torch.finfo(logp.dtype).min)).sum(-1)
+
+
+def entropy_bounded(entropy: Tensor, eligible: Tensor, bound: Any, score: Tensor | None = None,
+                    sdar: bool = False) -> Tensor:
+    """The entropy bound of EB-Sampler (arXiv 2505.24857), shared by `eb_sampler`, SDAR's `entropy_bounded` and
+    DiffusionGemma's `entropy_bound`: `[B, C]` bool, the eligible positions ranked first by `score` (descending;
+    default: the lowest entropy first), as many as there are positions whose entropies ranked before them sum to at
+    most `bound` (ranked by entropy, the paper's `sum_U H - max_U H <= gamma`; computed as every port computes it,
+    the running sum less the position's own), at least one per row with any eligible; ties go to the lowest
+    position. `sdar`: JetAstra's engine's reading instead, the running sum with the position's own entropy
+    strictly below `bound`."""
+    score = -entropy if score is None else score
+    order = score.double().masked_fill(~eligible, float("-inf")).sort(dim=1, descending=True, stable=True).indices
+    ranked_eligible = eligible.gather(1, order)
+    ranked = entropy.gather(1, order).masked_fill(~ranked_eligible, float("inf"))
+    total = ranked.cumsum(1)
+    bound = per_row(bound, ranked)
+    count = (total < bound if sdar else total - ranked <= bound).sum(1, keepdim=True).clamp(min=1)
+    chosen = ranked_eligible & (torch.arange(order.shape[1], device=order.device) < count)
+    return torch.zeros_like(eligible).scatter(1, order, chosen)
 
 
 def most_confident(confidence: Tensor, eligible: Tensor) -> Tensor:

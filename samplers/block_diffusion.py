@@ -9,8 +9,8 @@ import torch
 from dllm.core.params import param
 
 from . import register
-from .base import (CausalFirst, Commit, Sampler, StepContext, gumbel_argmax, per_row, quota, tempered,
-                   token_probability, top_k_per_row)
+from .base import (CausalFirst, Commit, Sampler, StepContext, entropy_bounded, gumbel_argmax, per_row, quota,
+                   tempered, token_entropy, token_probability, top_k_per_row)
 from .fastdllm import threshold_commit
 
 
@@ -62,7 +62,8 @@ class Leftmost(CausalFirst):
 class EntropyBounded(Sampler):
     """SDAR's entropy-bounded rule (JetAstra's engine, `entropy_bounded`, bound 0.35): order the block's masked
     positions by the entropy of their predicted distribution, lowest first, and commit the longest prefix
-    whose entropies sum below the bound (at least one)."""
+    whose entropies sum below the bound (at least one): the entropy bound of `eb_sampler` as SDAR's engine reads
+    it (`base.entropy_bounded`)."""
 
     orders_by_token_probability: ClassVar[bool] = False  # by entropy
 
@@ -71,11 +72,8 @@ class EntropyBounded(Sampler):
 
     def step(self, ctx: StepContext) -> Commit:
         tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generators)
-        logp = ctx.logits.float().log_softmax(-1)
-        entropy = -(logp.exp() * logp).nan_to_num().sum(-1)  # 0 * -inf counts 0
-        ranked = entropy.masked_fill(~ctx.eligible, float("inf")).sort(dim=1).values
-        count = (ranked.cumsum(1) < per_row(self.bound, ranked)).sum(1).clamp(min=1)
-        return Commit(top_k_per_row(-entropy, ctx.eligible, count), tokens, token_probability(ctx.logits, tokens))
+        chosen = entropy_bounded(token_entropy(ctx.logits), ctx.eligible, self.bound, sdar=True)
+        return Commit(chosen, tokens, token_probability(ctx.logits, tokens))
 
 
 @register("sub_block")

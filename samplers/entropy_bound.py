@@ -22,7 +22,7 @@ from dllm.core.errors import DllmError
 from dllm.core.params import param
 
 from . import register
-from .base import Commit, Sampler, StepContext, per_row
+from .base import Commit, Sampler, StepContext, entropy_bounded, per_row, token_entropy
 
 
 @register("entropy_bound")
@@ -86,18 +86,11 @@ def temperature(steps_left: int, steps: int, t_min: float, t_max: float, like: T
     return per_row(t_min, like) + per_row(t_max - t_min, like) * ratio
 
 
-def token_entropy(logits: Tensor) -> Tensor:
-    """Entropy (nats) of softmax(logits) over the last dimension, in float32."""
-    logp = logits.float().log_softmax(-1)
-    return -(logp.exp() * logp.clamp(min=torch.finfo(logp.dtype).min)).sum(-1)
-
-
 def low_entropy_keep(entropy: Tensor, bound: float) -> Tensor:
     """`[B, C]` bool: the positions kept, the lowest-entropy first while the sum of their entropies minus the
-    largest of them stays within `bound` (so the lowest one always; ties in entropy: torch's sort order)."""
-    ranked, order = entropy.sort(dim=-1)
-    kept = ranked.cumsum(-1) - ranked <= per_row(bound, ranked)
-    return torch.zeros_like(kept).scatter(-1, order, kept)
+    largest of them stays within `bound` (so the lowest one always; ties in entropy: the lowest position first):
+    `eb_sampler`'s bound over the whole canvas (`base.entropy_bounded`)."""
+    return entropy_bounded(entropy, torch.ones_like(entropy, dtype=torch.bool), bound)
 
 
 def new_history(stability: int | Tensor, argmax: Tensor) -> Tensor:

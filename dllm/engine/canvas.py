@@ -27,12 +27,17 @@ class Canvas:
     mask_id: int | None  # a masked model's mask: its positions not yet committed hold it
     uncommitted: Tensor | None = None  # [B, L] bool: a uniform-state model's positions not yet committed (they hold
     # random tokens); None on a masked model
+    given_up: Tensor | None = None  # [B, L] bool: masks a sampler gave up (`Commit.given_up`): they stay masked and
+    # are not pending; None while there are none
 
     def pending(self, columns: slice | None = None) -> Tensor:
-        """[B, L] bool (or those `columns`): positions not yet committed, the masks of a masked model."""
+        """[B, L] bool (or those `columns`): positions not yet committed, the masks of a masked model (less the
+        ones given up)."""
+        columns = slice(None) if columns is None else columns
         if self.uncommitted is not None:
-            return self.uncommitted if columns is None else self.uncommitted[:, columns]
-        return (self.tokens if columns is None else self.tokens[:, columns]) == self.mask_id
+            return self.uncommitted[:, columns]
+        masks = self.tokens[:, columns] == self.mask_id
+        return masks if self.given_up is None else masks & ~self.given_up[:, columns]
 
     @staticmethod
     def check(model: DiffusionLM, prompts: list[list[int]], gen_length: int) -> None:
@@ -97,7 +102,8 @@ class Canvas:
                                    key_mask=None if self.key_mask is None else self.key_mask[index],
                                    gen_start=self.gen_start[index], gen_end=self.gen_end[index],
                                    answer=self.answer[index],
-                                   uncommitted=None if self.uncommitted is None else self.uncommitted[index])
+                                   uncommitted=None if self.uncommitted is None else self.uncommitted[index],
+                                   given_up=None if self.given_up is None else self.given_up[index])
 
     def finish_rows(self, finished: Tensor, cfg) -> Tensor:
         """Mark rows whose answer is complete (its first committed stop token comes before its first position not

@@ -25,6 +25,9 @@ def check_logprobs(value, sampler=None, name: str = "logprobs") -> int | None:
     if sampler is not None and sampler.moves_tokens:
         raise DllmError(f"sampler {sampler.name!r} moves decoded tokens to other positions (insert/delete), so a "
                         f"token's log-probability cannot follow it; drop {name}")
+    if sampler is not None and sampler.leaves_masks:
+        raise DllmError(f"sampler {sampler.name!r} leaves the positions it gives up masked, which have no "
+                        f"log-probability; drop {name} or its threshold")
     return value
 
 

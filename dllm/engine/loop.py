@@ -42,6 +42,7 @@ class Row:
     finished: bool = False  # a stop token committed with nothing uncommitted before it
     logprobs: int | None = None  # alternatives per token to capture with its log-probability (None: not captured)
     captured: tuple[Tensor, Tensor] | None = None  # its `Captured` columns, as of the last layout
+    given_up: Tensor | None = None  # [len(tokens)] bool: its masks a sampler gave up, as of the last layout
 
 
 class Batch:
@@ -93,7 +94,7 @@ class Batch:
             raise DllmError(f"a row's sampler {sampler.name!r} {sampler.batch_key()[1:]} differs from the batch's "
                             f"{self.sampler.name!r} {self.sampler.batch_key()[1:]} in more than its per-row "
                             f"parameters ({', '.join(self.sampler.row_params()) or 'none'}); decode it in another batch")
-        logprobs = check_logprobs(logprobs, self.sampler)
+        logprobs = check_logprobs(logprobs, sampler)
         if self.rows and not self.joins_between_blocks and self.block:
             raise DllmError(f"sampler {self.sampler.name!r} with cache {self.cache.name!r} cannot take rows into a "
                             f"running batch (the sampler must look only at the current block and the cache "
@@ -134,7 +135,8 @@ class Batch:
 
     def answer(self, row: Row) -> list[int]:
         """`row`'s answer so far: the tokens of its decoded blocks (of all of them once it has finished: a sampler
-        such as Prophet may fill later blocks early), cut before the first stop token."""
+        such as Prophet may fill later blocks early), cut before the first stop token. A mask a sampler gave up
+        (`Commit.given_up`, DUS) stays the mask id here; texts leave it out (a special token)."""
         self._save()
         ids = row.tokens[len(row.prompt):len(row.tokens) if row.finished else row.origin + row.decoded].tolist()
         stops = self.model.config.stop_ids
@@ -172,6 +174,8 @@ class Batch:
             row.finished = finished[b]
             if self.captured is not None:
                 row.captured = self.captured.cut(b, first, len(row.tokens))
+            if canvas.given_up is not None:
+                row.given_up = canvas.given_up[b, first:first + len(row.tokens)].clone()
         self._saved = True
 
     def _layout(self) -> None:
@@ -181,6 +185,11 @@ class Batch:
         self.canvas = Canvas.lay_out(model, [row.tokens for row in rows], before, [len(row.prompt) for row in rows])
         self.start, self._saved = max(before), False
         self.firsts = [self.start - n for n in before]  # the column of each row's first token
+        if any(row.given_up is not None for row in rows):  # masks given up stay given up
+            self.canvas.given_up = torch.zeros_like(self.canvas.tokens, dtype=torch.bool)
+            for b, (row, first) in enumerate(zip(rows, self.firsts)):
+                if row.given_up is not None:
+                    self.canvas.given_up[b, first:first + len(row.tokens)] = row.given_up
         wanted = [row.logprobs for row in rows if row.logprobs is not None]
         self.captured = None if not wanted else Captured.lay_out(
             [row.captured for row in rows], self.firsts, self.canvas.tokens.shape[1], max(wanted), model.device)
@@ -362,9 +371,11 @@ class Batch:
         canvas = self.canvas
         tokens = canvas.tokens
         commit = out.mask & ctx.masked
-        # a row with eligible positions and none of them committed; a scalar, read with the step's one device wait
-        stalled = ((ctx.eligible.any(1) > (commit & ctx.eligible).any(1)).any() if not self.sampler.may_commit_nothing
-                   else self.never)
+        decided = commit if out.given_up is None else commit | self._give_up(ctx, out, commit, lo)
+        # a row with eligible positions and none of them committed (or given up); a scalar, read with the step's one
+        # device wait
+        stalled = ((ctx.eligible.any(1) > (decided & ctx.eligible).any(1)).any()
+                   if not self.sampler.may_commit_nothing else self.never)
         written = commit if ctx.editable is None or out.edit is None else commit | (out.edit & ctx.editable)
         if self.captured is not None:  # the committed (and edited) tokens, not a renoised canvas's drafts
             drawn_from = ctx.logits if out.logits is None else out.logits
@@ -381,14 +392,25 @@ class Batch:
         draft, draft_logits = self.runner.adopt(out.verified)
         return commit, [stalled, (draft != tokens[:, lo:hi]).any()], ((lo, hi), draft_logits)
 
+    def _give_up(self, ctx: samplers_mod.StepContext, out: samplers_mod.Commit, commit: Tensor, lo: int) -> Tensor:
+        """Mark the eligible positions the sampler gave up (and did not commit): they stay masked, no longer
+        pending. Returns them."""
+        given_up = out.given_up & ctx.eligible & ~commit
+        canvas = self.canvas
+        if canvas.given_up is None:
+            canvas.given_up = torch.zeros_like(canvas.tokens, dtype=torch.bool)
+        canvas.given_up[:, lo:lo + given_up.shape[1]] |= given_up
+        return given_up
+
     def _after_step(self, ctx: samplers_mod.StepContext, out: samplers_mod.Commit, commit: Tensor,
                     counted: list[int] | None) -> None:
         """The step's trace, finished rows (a stop token with nothing uncommitted before it) and callback."""
         if self.trace is not None:
             rows_per_layer = [now - before for now, before in zip(self.runner.kv.rows_per_layer, counted)]
             edited = None if ctx.editable is None or out.edit is None else out.edit & ctx.editable
+            given_up = None if out.given_up is None else out.given_up & ctx.eligible & ~commit
             self.trace.append(trace_step(self.block, ctx.step, rows_per_layer, ctx.positions, commit, out, ctx.logits,
-                                         edited))
+                                         edited, given_up))
         if self.stop_early:
             self._set_finished(self.canvas.finish_rows(self.finished, self.model.config))
         if self.callback is not None:

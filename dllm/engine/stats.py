@@ -34,9 +34,10 @@ class Stats:
         return {**asdict(self), "tpf": self.tpf, "tokens_per_second": self.tokens_per_second}
 
 
-def trace_step(block, step, rows_per_layer, candidates, commit, out, logits, edited=None) -> dict:
-    """A step's record: per row its commits (masked positions given a token) and, for token-editing samplers
-    (`edited` `[B, C]`), the decoded positions it rewrote."""
+def trace_step(block, step, rows_per_layer, candidates, commit, out, logits, edited=None, given_up=None) -> dict:
+    """A step's record: per row its commits (masked positions given a token), for token-editing samplers
+    (`edited` `[B, C]`) the decoded positions it rewrote, and for samplers that give masks up (`given_up` `[B, C]`)
+    the positions left masked for good."""
     top2 = torch.softmax(logits.double(), -1).topk(2, dim=-1).values
     gap = top2[..., 0] - top2[..., 1]
     record = {"block": block, "step": step, "rows_per_layer": rows_per_layer,
@@ -46,4 +47,6 @@ def trace_step(block, step, rows_per_layer, candidates, commit, out, logits, edi
     if edited is not None:
         record["edits"] = [[{"position": int(candidates[c]), "token": int(out.tokens[b, c])}
                             for c in edited[b].nonzero()[:, 0].tolist()] for b in range(edited.shape[0])]
+    if given_up is not None:
+        record["given_up"] = [candidates[given_up[b]].tolist() for b in range(given_up.shape[0])]
     return record
