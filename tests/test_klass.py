@@ -296,3 +296,20 @@ def test_llada_rows_with_their_own_settings_equal_each_alone():
     alone = [answers([pair])[0] for pair in zip(prompts, rows)]
     assert answers(list(zip(prompts, rows))) == alone
     assert alone != [answers([(p, rows[0])])[0] for p in prompts]  # the settings decide
+
+
+def test_dream_rows_with_their_own_top_p_equal_each_alone(dream):
+    """top_p per row (None in some rows) on tiny-dream, where it moves the fallback position."""
+    model, tok = dream
+    ids = encode_prompts(tok, PROMPTS, chat=True)
+    rows = [samplers.SAMPLERS.create("klass", history_length=3, top_p=p) for p in (None, 0.5, 0.5, None)]
+
+    def answers(pairs):
+        batch = Batch(model, pairs[0][1], caches.CACHES.create("none"), 16, 16)
+        added = [batch.add(p, 16, sampler=s) for p, s in pairs]
+        while batch.running:
+            batch.run_block()
+        return [batch.answer(r) for r in added]
+    alone = [answers([pair])[0] for pair in zip(ids, rows)]
+    assert answers(list(zip(ids, rows))) == alone
+    assert alone != [answers([(p, rows[0])])[0] for p in ids]
