@@ -9,7 +9,8 @@ and was stable at each of them; every ready position is committed, and when none
 The distributions are carried across blocks: the first step of a block compares the new block's predictions with
 those of the previous block's last step. So every step needs the logits of every later position too (`logit_window`
 reaches the end of the canvas; under prefix and dual caches those rows are computed, as prefix computes them), and a
-row's state outlives its block (`block_local = False`: a batch runs to its end, no row joins it).
+row's state outlives its block (`block_local = False`: a batch runs to its end, no row joins it). Block-causal and
+causal-prefix models (SDAR, Nemotron, ...) are refused: they predict a block only from finished blocks.
 
 The two variants, as the authors wrote them, chosen by the model family:
 - LLaDA (aligned logits): p = softmax(logits) in float64, x = argmax p, c = p[x]; a position is stable once the
@@ -65,10 +66,15 @@ class Klass(Sampler):
         return start, length  # the block and every later position
 
     def check_model(self, config: Any) -> str | None:
-        if self.top_p is not None and not config.logit_shift:
-            return ("top_p picks the fallback position of Dream's KLASS; the authors' LLaDA KLASS (aligned logits) "
-                    "has none: drop top_p")
-        return super().check_model(config)
+        problem = super().check_model(config)
+        if problem is None and config.decoded_keys_fixed:
+            kind = "block-causal" if config.block_size else "causal-prefix"
+            problem = (f"it carries every later position's prediction into the next block, and a {kind} model "
+                       f"predicts a block only from finished blocks; use another sampler")
+        if problem is None and self.top_p is not None and not config.logit_shift:
+            problem = ("top_p picks the fallback position of Dream's KLASS; the authors' LLaDA KLASS (aligned "
+                       "logits) has none: drop top_p")
+        return problem
 
     def step(self, ctx: StepContext) -> Commit:
         dream = ctx.family == "dream"

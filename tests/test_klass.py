@@ -270,6 +270,11 @@ def test_what_cannot_work_is_refused(llada):
         dllm.generate(model, tok, PROMPTS, sampler="klass", top_p=0.9)
     with pytest.raises(DllmError, match="orders by its own score"):
         dllm.generate(model, tok, PROMPTS, sampler="klass", confidence_eos_eot_inf=True)
+    for name, kind in (("tiny-sdar", "block-causal"), ("random:nemotron-diffusion-tiny", "causal-prefix")):
+        with pytest.raises(DllmError, match=rf"^sampler 'klass' cannot decode \w+: it carries every later position's "
+                                            rf"prediction into the next block, and a {kind} model predicts a block "
+                                            rf"only from finished blocks; use another sampler$"):
+            dllm.generate(*dllm.load(name), PROMPTS, sampler="klass")
     batch = Batch(model, samplers.SAMPLERS.create("klass"), caches.CACHES.create("none"), 8, 8)
     assert not batch.joins_between_blocks  # the distributions outlive the block: a batch runs to its end
     batch.add(encode_prompts(tok, PROMPTS[:1], chat=True)[0], 16)
