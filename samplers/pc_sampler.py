@@ -6,8 +6,11 @@ Each masked position of the block is scored exp(-lambda * k) * min(-c * ln(f(x) 
 block, x its prediction, c the prediction's probability (softmax in the logits' dtype, as the authors'), f(x) the
 token's frequency in a reference corpus (float32; a token the table does not list counts once). The LLaDA schedule's
 number of best-scored positions is committed each step. Scores are float32 as theirs: exp(-lambda * k) underflows to 0
-for lambda * k > 103, and `torch.topk` orders equal scores as in the authors' code (torch's order, not the lowest
-position first). The authors' code is LLaDA's; on Dream the same rule runs on the aligned logits.
+for lambda * k >= 104, and `torch.topk` orders equal scores as in the authors' code (torch's order, not the lowest
+position first). The authors' code is LLaDA's; on Dream the same rule runs on the aligned logits. position_decay = 0
+is the position-free calibration that d2Cache ports (its `debias`), except that d2Cache adds 1e-10, keeps the table in
+the logits' dtype and commits one position a step or a threshold's (here: the schedule's count, one a step when
+steps = gen_length).
 
 The frequency table belongs to the tokenizer: `token_frequency.json` in the model's directory (`prepare` finds the
 directory from the tokenizer; the shipped tiny models have theirs, counted by `scripts/count_token_frequency.py`), or
