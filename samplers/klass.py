@@ -22,8 +22,9 @@ The two variants, as the authors wrote them, chosen by the model family:
 
 Deliberate differences from the authors' code: the step that ends a block's step budget commits every mask left
 (their loops end there and leave the masks that a ready step committing fewer than n_t left behind; LLaDA's
-`topk(n_t)` with fewer masks than n_t would overwrite decoded tokens), and the fallback count is never above the
-masks left. At temperature > 0 the LLaDA variant softmaxes the authors' `add_gumbel_noise` output exp(l) / g^T
+`topk(n_t)` with fewer masks than n_t would overwrite decoded tokens), the fallback count is never above the
+masks left, and equal fallback confidences go to the lowest position (their `topk` runs over the whole sequence;
+float64 confidences practically never tie). At temperature > 0 the LLaDA variant softmaxes the authors' `add_gumbel_noise` output exp(l) / g^T
 (their quirk, kept); each row draws from its own generator. MASK is never proposed (see `samplers.base`)."""
 from __future__ import annotations
 
