@@ -11,6 +11,8 @@ from .base import Commit, Sampler, StepContext, scoring_without, stack_rows
 SAMPLERS = Registry("sampler", Sampler)
 register = SAMPLERS.register
 
-from . import llada, fastdllm, dream, research, speculative, block_diffusion, indel, entropy_bound, eb_sampler, dus  # noqa: E402,F401,I001  (registers the built-in samplers, in order)
+# registers the built-in samplers, in order
+from . import (llada, fastdllm, dream, research, speculative, block_diffusion, indel, entropy_bound,  # noqa: E402,F401,I001
+               eb_sampler, dus, klass, pc_sampler)
 
 __all__ = ["SAMPLERS", "Commit", "Sampler", "StepContext", "register", "scoring_without", "stack_rows"]

@@ -11,6 +11,11 @@ sys.path.insert(0, str(ROOT))
 torch.set_num_threads(1)  # tiny models: one thread is as fast, and never oversubscribes
 
 
+# pc_sampler's token-frequency table for models decoded without their directory: tiny-dream's, whose ids (< 53) every
+# tiny and random preset has
+PC_TABLE = {"frequency_file": str(ROOT / "dllm" / "models" / "checkpoints" / "tiny-dream" / "token_frequency.json")}
+
+
 def shared_path(*parts: str) -> Path:
     """A file under ../shared (tests only); skips the test when it is not there."""
     p = SHARED.joinpath(*parts)

@@ -2,7 +2,7 @@
 alone, for every block-local sampler over every cache that recomputes all rows at a block start."""
 import pytest
 import torch
-from conftest import random_model
+from conftest import PC_TABLE, random_model
 
 from dllm import cache as caches
 from dllm import samplers
@@ -14,7 +14,7 @@ GEN = [32, 16, 24, 16]  # answer lengths, in blocks of 8
 JOINS = [0, 1, 1, 3]  # the block (of the batch) before which each prompt joins
 BLOCK = 8
 SAMPLER_ARGS = {"threshold": {"threshold": 0.5}, "credit": {"threshold": 0.5}, "localleap": {"threshold": 0.5},
-                "speculative": {"draft_steps": 2}}
+                "speculative": {"draft_steps": 2}, "pc_sampler": PC_TABLE}
 BLOCK_LOCAL = [cls.name for cls in samplers.SAMPLERS if cls.block_local]
 
 

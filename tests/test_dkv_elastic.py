@@ -5,7 +5,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import random_model
+from conftest import PC_TABLE, random_model
 
 import dllm
 from dllm import cache as caches
@@ -305,7 +305,7 @@ def test_padded_rows_match_their_prompts_alone(model, cache, args):
 
 
 SAMPLER_ARGS = {"adablock": {"delimiter_ids": ",".join(map(str, range(0, 120, 3))), "delimiter_threshold": 0.0},
-                "threshold": {"threshold": 0.5}}
+                "threshold": {"threshold": 0.5}, "pc_sampler": PC_TABLE}
 
 
 @pytest.mark.parametrize("cache", ["dkv", "dkv_greedy", "elastic"])

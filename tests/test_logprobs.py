@@ -2,7 +2,7 @@
 step that wrote it, checked against a replay of the traced steps with the model's own full forward."""
 import pytest
 import torch
-from conftest import random_model
+from conftest import PC_TABLE, random_model
 
 import dllm
 from dllm import cache as caches
@@ -117,7 +117,7 @@ def test_a_greedy_token_is_the_best_of_its_distribution(sampler):
                     model.config.block_size, logprobs=2)
         return
     model = random_model("llada-tiny", seed=2, std=0.05)  # soft logits: credit's fusion moves some argmaxes
-    args = {"answer_start": 2} if sampler == "prophet" else {"delimiter_ids": "5"} if sampler == "adablock" else {}
+    args = {"prophet": {"answer_start": 2}, "adablock": {"delimiter_ids": "5"}, "pc_sampler": PC_TABLE}.get(sampler, {})
     block = 8
     if samplers.SAMPLERS.create(sampler, **args).check_model(model.config) is not None:  # uniform-state: its argmax
         model = random_model("diffusion-gemma-tiny", seed=2)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import random_model
+from conftest import PC_TABLE, random_model
 
 import dllm
 from dllm import cache as caches
@@ -98,7 +98,8 @@ def test_samplers_and_caches_run_quantized_as_in_full_precision(tiny, quantized,
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
 
     def run(m):
-        s = samplers.SAMPLERS.create(sampler, **({"delimiter_ids": "3,9"} if sampler == "adablock" else {}))
+        args = {"adablock": {"delimiter_ids": "3,9"}, "pc_sampler": PC_TABLE}.get(sampler, {})
+        s = samplers.SAMPLERS.create(sampler, **args)
         return decode(m, prompts, s, caches.CACHES.create(cache), 16, 8, stop_early=False)
 
     try:

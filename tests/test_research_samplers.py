@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import random_model
+from conftest import PC_TABLE, random_model
 from test_samplers import ctx_for, peaked
 
 import dllm
@@ -210,7 +210,7 @@ def test_every_sampler_runs_over_every_cache(any_model, name, cache):
         with pytest.raises(DllmError, match=f"sampler {name!r} cannot decode {model.config.arch}: "):
             run(model, name, cache, prepare=Delimiters())
         return
-    canvas, stats, trace = run(model, name, cache, prepare=Delimiters())
+    canvas, stats, trace = run(model, name, cache, prepare=Delimiters(), **(PC_TABLE if name == "pc_sampler" else {}))
     gen = canvas.tokens[:, canvas.prompt_length:]
     assert not (gen == model.config.mask_id).any()
     editing = samplers.SAMPLERS.create(name)

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import random_model
+from conftest import PC_TABLE, random_model
 
 from dllm import cache as caches
 from dllm import samplers
@@ -23,14 +23,18 @@ OTHER = {"temperature": 0.7, "threshold": 0.1, "factor": 3.0, "top_p": 0.9, "top
          "mid_threshold": 0.3, "late_threshold": 0.1, "early_bound": 0.1, "late_bound": 0.5, "draft_steps": 2,
          "bound": 3.0, "sub_block": 3, "edit_threshold": 0.2, "edit_steps": 2, "delimiter_threshold": 0.2,
          "max_post_edit_steps": 1, "t_max": 1.2, "t_min": 0.3, "stability": 2, "confidence": 100.0,
-         "base": 3, "skip": 2}
+         "base": 3, "skip": 2, "kl_threshold": 0.05, "history_length": 3, "position_decay": 1.0,
+         "clip": 0.05}
 # settings every row shares: Prophet exits early (on the threshold rule), AdaBlock keeps fixed blocks (rows of one
-# batch share block ends, so only then is each row its prompt alone)
+# batch share block ends, so only then is each row its prompt alone), PC-Sampler's table (a random model has no
+# directory), KLASS's thresholds within a random model's reach
 SHARED = {"prophet": {"answer_start": 2, "base": "threshold"}, "adablock": {"delimiter_ids": "7",
-                                                                            "delimiter_threshold": math.inf}}
+                                                                            "delimiter_threshold": math.inf},
+          "pc_sampler": PC_TABLE, "klass": {"threshold": 0.02, "kl_threshold": 1.0}}
 FIXED = {"speculative": {"temperature"}, "adablock": {"delimiter_threshold"}}  # lossless only greedy; see above
 PRESET = {"joint_threshold_indel": "llada2.2-tiny", "nemotron": "nemotron-diffusion-tiny",  # writes the delete and split tokens of an insert/delete model
-          "entropy_bound": "diffusion-gemma-tiny"}  # denoises a uniform-state canvas
+          "entropy_bound": "diffusion-gemma-tiny",  # denoises a uniform-state canvas
+          "klass": "dream-tiny"}  # its top_p is Dream's (LLaDA's per-row settings: tests/test_klass.py)
 NAMES = [cls.name for cls in samplers.SAMPLERS]
 
 
@@ -67,7 +71,7 @@ def mixed_and_alone(model, name: str, other: dict, shared: dict | None = None) -
     both), and each row alone."""
     shared = SHARED.get(name, {}) if shared is None else shared
     a = samplers.SAMPLERS.create(name, **shared)
-    b = samplers.SAMPLERS.create(name, **shared, **other)
+    b = samplers.SAMPLERS.create(name, **{**shared, **other})
     rows = [(PROMPTS[0], 0, a), (PROMPTS[1], 1, b), (PROMPTS[0], 0, b), (PROMPTS[2], 2, a)]
     return decode_rows(model, rows), [decode_rows(model, [row])[0] for row in rows]
 
