@@ -11,6 +11,8 @@ from .base import Commit, Sampler, StepContext, scoring_without, stack_rows
 SAMPLERS = Registry("sampler", Sampler)
 register = SAMPLERS.register
 
-from . import llada, fastdllm, dream, research, speculative, block_diffusion, indel, entropy_bound  # noqa: E402,F401,I001  (registers the built-in samplers, in order)
+# registers the built-in samplers, in order
+from . import llada, fastdllm, dream, credit, localleap, prophet, adablock  # noqa: E402,F401,I001
+from . import speculative, block_diffusion, indel, entropy_bound  # noqa: E402,F401,I001
 
 __all__ = ["SAMPLERS", "Commit", "Sampler", "StepContext", "register", "scoring_without", "stack_rows"]
