@@ -12,7 +12,7 @@ SAMPLERS = Registry("sampler", Sampler)
 register = SAMPLERS.register
 
 # registers the built-in samplers, in order
-from . import llada, fastdllm, dream, credit, localleap, prophet, adablock  # noqa: E402,F401,I001
+from . import llada, fastdllm, dream, credit, localleap, prophet, adablock, hierarchy  # noqa: E402,F401,I001
 from . import speculative, block_diffusion, indel, entropy_bound  # noqa: E402,F401,I001
 
 __all__ = ["SAMPLERS", "Commit", "Sampler", "StepContext", "register", "scoring_without", "stack_rows"]
