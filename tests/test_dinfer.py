@@ -1,5 +1,8 @@
-"""dInfer's decoders (inclusionAI/dInfer `python/dinfer/decoding/`): hierarchical decoding (`hierarchy`) against a
-plain transcription of dInfer's decoder and block loop, token for token and forward for forward."""
+"""dInfer's decoders (inclusionAI/dInfer `python/dinfer/decoding/`): hierarchical decoding (`hierarchy`) and the
+credit decoder's threshold rule (`credit`), each against a plain transcription of dInfer's decoder and block loop,
+token for token and forward for forward."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -207,3 +210,101 @@ def test_hierarchy_refusals(tiny):
         dllm.generate(model, tok, CHAT, sampler="hierarchy", confidence_eos_eot_inf=True)
     with pytest.raises(DllmError, match="low_threshold"):
         dllm.generate(model, tok, CHAT, sampler="hierarchy", low_threshold=-1)
+
+
+class CreditDecoder:
+    """`CreditThresholdParallelDecoder.decode` at temperature 0 (its `_apply_credit_fusion`, then
+    `get_transfer_index_threshold` without float64), batch 1: a float32 credit matrix per block, decayed by beta from
+    the block's second forward on; each masked position's top-1 (of the float32 softmax) earns p ** gamma; fused =
+    logits + alpha * log(credit + 1); its argmax, the float32 softmax of the fused logits at it; positions whose
+    argmax is MASK left out; every mask reaching (best - 1e-5) clamped to [-1000, threshold]. `fallback`: Fast-dLLM's
+    rule instead (the threshold, else the first best alone), what `credit` did before."""
+
+    def __init__(self, threshold, alpha, beta, gamma, fallback=False):
+        self.threshold, self.alpha, self.beta, self.gamma, self.fallback = threshold, alpha, beta, gamma, fallback
+        self.credit = {}
+
+    def __call__(self, logits, x, start, end, mask_id):
+        masked = x[0, start:end] == mask_id
+        if (start, end) in self.credit:
+            credit = self.credit[start, end]
+            credit *= self.beta
+        else:
+            credit = self.credit[start, end] = torch.zeros(logits.shape[1:], dtype=torch.float32)
+        top_p, top = F.softmax(logits[0].float(), -1).max(-1)
+        for k in range(end - start):
+            if masked[k]:
+                credit[k, top[k]] += top_p[k] ** self.gamma
+        fused = logits[0] + self.alpha * torch.log(credit + 1)
+        x0 = fused.argmax(-1)
+        p = F.softmax(fused.float(), -1).gather(-1, x0[:, None])[:, 0]
+        eligible = masked & (x0 != mask_id)
+        best = p[eligible].max()
+        for k in range(end - start):
+            if self.fallback:
+                chosen = bool(p[k] >= self.threshold) or k == int(torch.where(eligible, p, -1.0).argmax())
+            else:
+                chosen = bool(p[k] >= (best - 1e-5).clamp(-1000, self.threshold))
+            if chosen and eligible[k]:
+                x[0, start + k] = x0[k]
+
+
+@pytest.fixture(scope="module")
+def near_ties():
+    """A random LLaDA whose LM head is scaled by 30: many confidences saturate near 1, within 1e-5 of each other."""
+    model = random_model("llada-tiny")
+    with torch.no_grad():
+        model.lm_head.weight *= 30
+    return model, dllm.load("random:llada-tiny")[1]
+
+
+@pytest.mark.parametrize("threshold", [1.0, 0.9])
+def test_credit_commits_near_ties_together_as_dinfer(near_ties, threshold):
+    """At threshold 1 only saturated confidences clear it, so most steps commit the best and those within 1e-5 of it
+    (Fast-dLLM's rule, `credit` before, commits the best alone and decodes other tokens); at 0.9 the near-ties clear
+    the threshold and the rules agree."""
+    model, tok = near_ties
+    credit = samplers.SAMPLERS.create("credit", threshold=threshold)
+    args = credit.threshold, credit.alpha, credit.beta, credit.gamma
+    g = torch.Generator().manual_seed(0)
+    differ = 0
+    for length in range(3, 13):
+        ids = torch.randint(10, model.config.vocab_size - 1, (length,), generator=g).tolist()
+        want = dinfer_generate(model, ids, 32, 8, CreditDecoder(*args), align=False)
+        assert ours(model, tok, ids, 32, 8, sampler="credit", threshold=threshold)[:2] == want
+        differ += want[0] != dinfer_generate(model, ids, 32, 8, CreditDecoder(*args, fallback=True), align=False)[0]
+    assert differ >= 5 if threshold == 1.0 else differ == 0
+
+
+def test_credit_equals_dinfer_on_the_trained_model(tiny):
+    model, tok = tiny
+    credit = samplers.SAMPLERS.create("credit")
+    for ids in encode_prompts(tok, CHAT, chat=True):
+        want = dinfer_generate(model, ids, 32, 8, CreditDecoder(credit.threshold, credit.alpha, credit.beta,
+                                                                credit.gamma), align=False)
+        assert ours(model, tok, ids, 32, 8, sampler="credit")[:2] == want
+
+
+def test_credit_rule_equals_dinfers_on_random_steps():
+    """Blocks of random steps whose confidences saturate near 1 (many within 1e-5 of the best, at thresholds that
+    rarely pass): rows with their own settings in one batch, each against the transcription alone, credits carried
+    from step to step."""
+    settings = [dict(threshold=1.0), dict(threshold=0.99999, alpha=1.2, beta=0.5), dict(threshold=1.0, gamma=0.7)]
+    rows = [samplers.SAMPLERS.create("credit", **s) for s in settings]
+    stacked, g, mask_id, width, batch = samplers.stack_rows(rows), torch.Generator().manual_seed(0), 99, 12, len(rows)
+    for trial in range(60):
+        decoders = [CreditDecoder(r.threshold, r.alpha, r.beta, r.gamma) for r in rows]
+        canvas, state, step = torch.full((batch, width), mask_id), SimpleNamespace(), 0
+        while (canvas == mask_id).any():
+            logits = torch.randn(batch, width, 8, generator=g) * 12
+            masked = canvas == mask_id
+            ctx = samplers.StepContext(logits, masked, masked, torch.arange(width), canvas, step, 1, 0, [None] * batch,
+                                       0, 1, 0, width, 0, state)
+            out = stacked.step(ctx)
+            want = canvas.clone()
+            for b, decode in enumerate(decoders):
+                if masked[b].any():
+                    decode(logits[b:b + 1], want[b:b + 1], 0, width, mask_id)
+            canvas = torch.where(out.mask & masked, out.tokens, canvas)
+            assert canvas.tolist() == want.tolist()
+            step += 1

@@ -102,9 +102,9 @@ def test_credit_accumulates_on_a_stable_top_token():
     eligible = torch.tensor([[False, True]])
     second = credit.step(ctx_for(probs, eligible, step=1, steps=8, state=state))
     assert second.confidence[0, 1] > 0.6 and second.tokens[0, 1] == 0
-    c = state.credit[0, 1, 0]
-    assert abs(c - (0.7 * 0.6 ** 0.2 + 0.6 ** 0.2)) < 1e-9  # decayed first step + this step
-    assert state.credit[0, 0].sum() == 0.7 * 0.7 ** 0.2  # committed positions earn no more credit
+    c = state.credit[0, 1, 0]  # float32, as dInfer's credit matrix
+    assert abs(c - (0.7 * 0.6 ** 0.2 + 0.6 ** 0.2)) < 1e-6  # decayed first step + this step
+    assert abs(state.credit[0, 0].sum() - 0.7 * 0.7 ** 0.2) < 1e-6  # committed positions earn no more credit
 
 
 @pytest.mark.parametrize("args", [dict(relaxed_threshold=0.3), dict(radius=0, relaxed_threshold=0.0)])
