@@ -50,14 +50,16 @@ def index_rows(active: Tensor) -> Rows:
 
 def row_slots(rows: Rows, lo: int, hi: int, length: int, device: torch.device) -> Tensor:
     """Where canvas rows `[lo, hi)` sit among the computed `rows` (a slice or a `[B, A]` index): `[B or 1, hi - lo]`,
-    -1 for a row not computed."""
+    -1 for a row not computed. Row -1 (a shifted model's block at column 0, which starts in the prompt) is read as
+    row 0, as a slice's slots are clamped (`Runner._slots`)."""
     if rows.is_slice:
         return torch.arange(lo - rows.index.start, hi - rows.index.start, device=device)[None]
     index, width = rows.index, rows.index.shape[1]
     slot = torch.arange(width, device=index.device).expand_as(index)
     if rows.valid is not None:
         slot = slot.masked_fill(~rows.valid, -1)
-    return torch.full((index.shape[0], length), -1, device=index.device).scatter(1, index, slot)[:, lo:hi]
+    slots = torch.full((index.shape[0], length), -1, device=index.device).scatter(1, index, slot)
+    return slots[:, lo:hi] if lo >= 0 else slots[:, torch.arange(lo, hi, device=index.device).clamp(min=0)]
 
 
 def predicting_rows(positions: Tensor, shift: int) -> Tensor:

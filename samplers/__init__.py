@@ -12,7 +12,7 @@ SAMPLERS = Registry("sampler", Sampler)
 register = SAMPLERS.register
 
 # registers the built-in samplers, in order
-from . import (llada, fastdllm, dream, research, speculative, block_diffusion, indel, entropy_bound,  # noqa: E402,F401,I001
-               eb_sampler, dus, klass, pc_sampler)
+from . import (llada, fastdllm, dream, credit, localleap, prophet, adablock, hierarchy, speculative,  # noqa: E402,F401,I001
+               block_diffusion, indel, entropy_bound, eb_sampler, dus, klass, pc_sampler)
 
 __all__ = ["SAMPLERS", "Commit", "Sampler", "StepContext", "register", "scoring_without", "stack_rows"]

@@ -153,6 +153,12 @@ class Sampler(Params):
         """Hook, called after each block-start forward: where this block ends (AdaBlock)."""
         return ctx.block_end
 
+    def block_origin(self, prompt_length: int, block_length: int) -> int:
+        """Hook: where a row's first block starts, counted from its first prompt token (default: where its answer
+        starts). An earlier start makes the first block overlap the prompt's tail, whose tokens stay as they are
+        (dInfer's absolute block alignment); a block-causal model's own attention blocks take precedence."""
+        return prompt_length
+
 
 def stack_rows(samplers: list[Sampler]) -> Sampler:
     """One sampler for rows with their own settings (samplers equal in `batch_key`, one per row): the first, with

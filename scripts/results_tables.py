@@ -22,7 +22,7 @@ from dllm.engine.options import decoding_lengths, split_params
 from dllm.eval.harness import evaluate
 from dllm.models.quantize import weight_bytes
 from dllm.eval.synthetic import FAMILIES
-from dllm.samplers.research import DELIMITER_THRESHOLD
+from dllm.samplers.adablock import DELIMITER_THRESHOLD
 from dllm.samplers.speculative import DRAFT_STEPS
 
 

@@ -102,9 +102,9 @@ def test_credit_accumulates_on_a_stable_top_token():
     eligible = torch.tensor([[False, True]])
     second = credit.step(ctx_for(probs, eligible, step=1, steps=8, state=state))
     assert second.confidence[0, 1] > 0.6 and second.tokens[0, 1] == 0
-    c = state.credit[0, 1, 0]
-    assert abs(c - (0.7 * 0.6 ** 0.2 + 0.6 ** 0.2)) < 1e-9  # decayed first step + this step
-    assert state.credit[0, 0].sum() == 0.7 * 0.7 ** 0.2  # committed positions earn no more credit
+    c = state.credit[0, 1, 0]  # float32, as dInfer's credit matrix
+    assert abs(c - (0.7 * 0.6 ** 0.2 + 0.6 ** 0.2)) < 1e-6  # decayed first step + this step
+    assert abs(state.credit[0, 0].sum() - 0.7 * 0.7 ** 0.2) < 1e-6  # committed positions earn no more credit
 
 
 @pytest.mark.parametrize("args", [dict(relaxed_threshold=0.3), dict(radius=0, relaxed_threshold=0.0)])
@@ -211,8 +211,9 @@ def test_every_sampler_runs_over_every_cache(any_model, name, cache):
             run(model, name, cache, prepare=Delimiters())
         return
     canvas, stats, trace = run(model, name, cache, prepare=Delimiters(), **(PC_TABLE if name == "pc_sampler" else {}))
-    gen = canvas.tokens[:, canvas.prompt_length:]
-    assert not (gen == model.config.mask_id).any()
+    answers = canvas.tokens[canvas.answer]
+    assert not (answers == model.config.mask_id).any()
     editing = samplers.SAMPLERS.create(name)
-    extra = 4 * editing.edit_steps if editing.edits else 0  # token editing: steps after a block's last mask
-    assert stats.gen_tokens == gen.numel() and stats.nfe <= 32 + extra
+    blocks = len({s["block"] for s in trace})  # 4, or 5 where the first block overlaps the prompt (hierarchy)
+    extra = blocks * editing.edit_steps if editing.edits else 0  # token editing: steps after a block's last mask
+    assert stats.gen_tokens == answers.numel() and stats.nfe <= 8 * blocks + extra

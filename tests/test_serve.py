@@ -442,7 +442,7 @@ def test_readme_requests_answer_right(server):
 def test_a_sampler_configuration_is_prepared_once(server, monkeypatch):
     """AdaBlock reads its delimiter ids from the tokenizer (a whole-vocabulary scan): two requests with one
     configuration prepare one sampler object, which both use."""
-    from dllm.samplers.research import AdaBlock
+    from dllm.samplers.adablock import AdaBlock
 
     calls = []
     original = AdaBlock.prepare

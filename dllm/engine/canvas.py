@@ -72,15 +72,16 @@ class Canvas:
         return cls.lay_out(model, rows, [len(ids) for ids in prompts], [len(ids) for ids in prompts])
 
     @classmethod
-    def lay_out(cls, model: DiffusionLM, rows: list[Tensor], before: list[int], prompt_lengths: list[int]
-                ) -> "Canvas":
+    def lay_out(cls, model: DiffusionLM, rows: list[Tensor], before: list[int], prompt_lengths: list[int],
+                block: int = 1) -> "Canvas":
         """`rows` of tokens (prompt, then answer), padded left and right so that the first `before[b]` tokens of
         every row end at one column: the answer's start in a fresh batch, the current block's when rows joined
-        between blocks (`Batch`). RoPE positions count each row's real tokens from 0. On a uniform-state model the
-        answer from that column on is not yet committed."""
+        between blocks (`Batch`), and the canvas from there holds whole blocks of `block` columns (so a row's last
+        block, cut short where its answer ends, has one width in any batch). RoPE positions count each row's real
+        tokens from 0. On a uniform-state model the answer from that column on is not yet committed."""
         cfg, device = model.config, model.device
         left = max(before)
-        length = left + max(len(t) - n for t, n in zip(rows, before))
+        length = left + -(-max(len(t) - n for t, n in zip(rows, before)) // block) * block
         tokens = torch.full((len(rows), length), cfg.pad_id, dtype=torch.long)
         real = torch.zeros((len(rows), length), dtype=torch.bool)
         for b, (row, n) in enumerate(zip(rows, before)):

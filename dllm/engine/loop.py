@@ -34,7 +34,8 @@ class Row:
     prompt: list[int]
     gen_length: int  # answer positions
     origin: int  # where its first block starts: the answer (len(prompt)), or on a block-causal model the
-    # attention block the prompt ends in, so that decoded blocks are the model's blocks (SDAR's layout)
+    # attention block the prompt ends in, so that decoded blocks are the model's blocks (SDAR's layout), or where the
+    # sampler's `block_origin` puts it
     generator: torch.Generator
     sampler: Sampler  # the batch's sampler, or one that differs from it only in per-row parameters
     tokens: Tensor  # [len(prompt) + gen_length] as of the last layout
@@ -103,7 +104,10 @@ class Batch:
             raise DllmError(f"gen_length ({gen_length}) must be a multiple of block_length ({self.block_length})")
         model, size = self.model, self.model.config.block_size
         Canvas.check(model, [prompt], gen_length)
-        origin = len(prompt)
+        origin = sampler.block_origin(len(prompt), self.block_length)
+        if not 0 <= origin <= len(prompt):
+            raise DllmError(f"sampler {sampler.name!r} starts the first block at {origin}, outside the prompt "
+                            f"[0, {len(prompt)}]; return a position in it from block_origin")
         if size:  # whole attention blocks, the answer from the prompt's end to the end of its last block
             origin = len(prompt) // size * size
             gen_length = -(-(len(prompt) + gen_length) // size) * size - len(prompt)
@@ -182,7 +186,8 @@ class Batch:
         """Lay the rows out on a fresh canvas, current blocks aligned, with a fresh store and sampler state."""
         model, rows = self.model, self.rows
         before = [row.origin + row.decoded for row in rows]  # tokens left of the current block
-        self.canvas = Canvas.lay_out(model, [row.tokens for row in rows], before, [len(row.prompt) for row in rows])
+        self.canvas = Canvas.lay_out(model, [row.tokens for row in rows], before, [len(row.prompt) for row in rows],
+                                     self.block_length)
         self.start, self._saved = max(before), False
         self.firsts = [self.start - n for n in before]  # the column of each row's first token
         if any(row.given_up is not None for row in rows):  # masks given up stay given up
