@@ -1,8 +1,10 @@
-"""The result tables of RESULTS.md: every sampler at its paper defaults (cache none), every cache under
-threshold decoding, and every weight quantization against full precision (`--only quantized`), on the synthetic
-held-out set of a model. Each configuration is a resumable `dllm eval` run in its own folder under `--output`.
+"""The result tables of RESULTS.md: every registered sampler at its paper defaults (`--cache`, default dual, where
+the sampler takes it, else none; `--plot`: accuracy against tokens per forward, a point per sampler), every cache
+under threshold decoding, and every weight quantization against full precision (`--only quantized`), on the
+synthetic held-out set of a model. Each configuration is a resumable `dllm eval` run in its own folder under
+`--output`.
 
-    python scripts/results_tables.py --model tiny-llada --output runs/tables
+    python scripts/results_tables.py --model tiny-llada --output runs/tables --plot docs/samplers-tiny-llada.png
 """
 from __future__ import annotations
 
@@ -22,19 +24,16 @@ from dllm.engine.options import decoding_lengths, split_params
 from dllm.eval.harness import evaluate
 from dllm.models.quantize import weight_bytes
 from dllm.eval.synthetic import FAMILIES
-from dllm.samplers.adablock import DELIMITER_THRESHOLD
-from dllm.samplers.speculative import DRAFT_STEPS
+from dllm.eval.sweep import aup
+from dllm.samplers import SAMPLERS
 
 
-def sampler_points(family: str) -> list[tuple[str, str, dict]]:
-    """Every sampler at its paper defaults; Prophet reads the answer after the synthetic tasks' "#### " anchor."""
-    return [("low_confidence", "low_confidence", {}), ("random", "random", {}),
-            ("threshold 0.9", "threshold", {"threshold": 0.9}), ("factor 1.0", "factor", {}),
-            ("origin", "origin", {}), ("maskgit_plus", "maskgit_plus", {}), ("topk_margin", "topk_margin", {}),
-            ("entropy", "entropy", {}), ("prophet answer_start=5", "prophet", {"answer_start": 5}),
-            ("credit", "credit", {}), ("localleap", "localleap", {}),
-            (f"adablock tau_D={DELIMITER_THRESHOLD[family]}", "adablock", {}),
-            (f"speculative K={DRAFT_STEPS[family]}", "speculative", {})]
+SYNTHETIC_ARGS = {"prophet": {"answer_start": 5}}  # its answer region: after the synthetic tasks' "#### " anchor
+
+
+def sampler_points() -> list[tuple[str, dict]]:
+    """Every registered sampler at its defaults (its paper's), in registration order."""
+    return [(cls.name, SYNTHETIC_ARGS.get(cls.name, {})) for cls in SAMPLERS]
 
 
 CACHE_POINTS = [("none", "threshold", "none"), ("prefix", "threshold", "prefix"), ("dual", "threshold", "dual"),
@@ -67,6 +66,8 @@ def main() -> None:
     ap.add_argument("--block-length", type=int, default=None, help="(default: the model's, else 32)")
     ap.add_argument("--batch-size", type=int, default=50)
     ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--cache", default="dual", help="the samplers' cache where they take it (else none)")
+    ap.add_argument("--plot", default=None, help="the samplers' accuracy against tokens per forward (matplotlib)")
     ap.add_argument("--only", choices=("samplers", "caches", "quantized", "agreement"), default=None,
                     help="one table (default: samplers and caches; quantized: accuracy under each weight "
                          "quantization; agreement: their logits against float32's, e.g. on random:llada-small)")
@@ -85,18 +86,7 @@ def tables(args) -> str:
     out = Path(args.output) / args.model
     lines = []
     if args.only != "caches":
-        lines += [f"Samplers on {args.model} (cache none, gen {args.gen_length}, block {args.block_length}):", "",
-                  "| sampler | accuracy % | " + " | ".join(FAMILIES) + " | forwards | tokens/forward | tokens/s |",
-                  "|---" * (5 + len(FAMILIES)) + "|"]
-        for name, sampler, sampler_args in sampler_points("dream" if model.config.logit_shift else "llada"):
-            s = run(model, tok, name, out / "samplers", sampler, "none", sampler_args, args)
-            if isinstance(s, str):
-                lines.append(f"| {name} | refused: {s} |")
-                continue
-            fam = " | ".join(f"{100 * s['per_group_accuracy'][f]:.1f}" for f in FAMILIES)
-            lines.append(f"| {name} | {100 * s['accuracy']:.1f} | {fam} | {s['nfe_mean']:.1f} | {s['tpf']:.2f} | "
-                         f"{s['tokens_per_second']:.0f} |")
-        lines.append("")
+        lines += samplers_table(model, tok, out, args)
     if args.only != "samplers":
         lines += [f"Caches on {args.model} (threshold 0.9, gen {args.gen_length}, block {args.block_length}):", "",
                   "| cache | accuracy % | forwards | tokens/forward | rows computed vs none | tokens/s |",
@@ -112,6 +102,55 @@ def tables(args) -> str:
             lines.append(f"| {name} | {100 * s['accuracy']:.1f} | {s['nfe_mean']:.1f} | {s['tpf']:.2f} | "
                          f"{s['rows_per_layer_mean'] / base:.3f} | {s['tokens_per_second']:.0f} |")
     return "\n".join(lines)
+
+
+def samplers_table(model, tok, out: Path, args) -> list[str]:
+    """Every registered sampler with `args.cache` (none where it refuses that cache; a row with the reason where it
+    refuses the model); AUP of its one point is tokens per forward x accuracy (`eval.sweep.aup`)."""
+    lines = [f"Samplers on {args.model} (gen {args.gen_length}, block {args.block_length}):", "",
+             "| sampler | cache | accuracy % | " + " | ".join(FAMILIES) + " | forwards | tokens/forward | AUP | "
+             "tokens/s |", "|---" * (7 + len(FAMILIES)) + "|"]
+    points = []
+    for name, sampler_args in sampler_points():
+        s, cache = run(model, tok, name, out / "samplers" / args.cache, name, args.cache, sampler_args, args), args.cache
+        if isinstance(s, str) and cache != "none":
+            alone = run(model, tok, name, out / "samplers" / "none", name, "none", sampler_args, args)
+            s, cache = (s, cache) if isinstance(alone, str) else (alone, "none")
+        if isinstance(s, str):
+            lines.append(f"| {name} | refused: {s} |")
+            continue
+        accuracy = 100 * s["accuracy"]
+        points.append((name, s["tpf"], accuracy))
+        groups = s["per_group_accuracy"]  # a --limit may leave a family out
+        fam = " | ".join(f"{100 * groups[f]:.1f}" if f in groups else "-" for f in FAMILIES)
+        lines.append(f"| {name} | {cache} | {accuracy:.1f} | {fam} | {s['nfe_mean']:.1f} | {s['tpf']:.2f} | "
+                     f"{aup([(s['tpf'], accuracy)]):.0f} | {s['tokens_per_second']:.0f} |")
+    if args.plot and not plot_samplers(points, f"{args.model}: every sampler at its defaults", args.plot):
+        lines.append("(plot not drawn: matplotlib is missing; pip install 'dllm-fast[plot]')")
+    return lines + [""]
+
+
+def plot_samplers(points: list[tuple[str, float, float]], title: str, path: str) -> bool:
+    """Accuracy against tokens per forward, a labelled point per sampler; False without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.scatter([p[1] for p in points], [p[2] for p in points], color="tab:blue")
+    for i, (name, tpf, accuracy) in enumerate(sorted(points, key=lambda p: p[1])):
+        ax.annotate(name, (tpf, accuracy), fontsize=7, xytext=(3, 4 if i % 2 == 0 else -10), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.margins(x=0.1, y=0.1)
+    ax.set_xlabel("tokens per forward (log)")
+    ax.set_ylabel("accuracy (%)")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
 
 
 def quantized_table(args) -> list[str]:
