@@ -11,6 +11,6 @@ from .base import Commit, ExtraRows, Sampler, StepContext, scoring_without, stac
 SAMPLERS = Registry("sampler", Sampler)
 register = SAMPLERS.register
 
-from . import llada, fastdllm, dream, research, speculative, block_diffusion, indel, entropy_bound  # noqa: E402,F401,I001  (registers the built-in samplers, in order)
+from . import llada, fastdllm, dream, research, speculative, block_diffusion, indel, entropy_bound, wino  # noqa: E402,F401,I001  (registers the built-in samplers, in order)
 
 __all__ = ["SAMPLERS", "Commit", "ExtraRows", "Sampler", "StepContext", "register", "scoring_without", "stack_rows"]
