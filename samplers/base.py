@@ -43,8 +43,9 @@ class StepContext:
     prompt_length: int  # canvas position where the generation starts
     state: SimpleNamespace  # this generation's sampler state (e.g. credits), owned by the loop: fresh per run, so
     # one sampler object can decode many batches at once
-    forward: Callable[[Tensor], Tensor] | None = None  # drafts [B, K, C] -> the next step's logits [B, K, C, V]
-    # on each draft, in one counted forward (self-speculative verification; samplers with `drafts = True`)
+    forward: Callable[..., Tensor] | None = None  # drafts [B, K, C] (, tree: by tree attention) -> the next step's
+    # logits [B, K, C, V] on each draft, in one counted forward (self-speculative verification; samplers with
+    # `drafts = True`)
     editable: Tensor | None = None  # [B, C] bool: decoded answer tokens of the current block, unfinished rows
     # (samplers with `edits = True`; never the prompt or another block)
     family: str = "llada"  # "llada" (aligned logits) or "dream" (shifted), for defaults the papers set per family

@@ -335,13 +335,15 @@ class Batch:
             self.window = ((lo, hi, start, end), positions, (positions >= start) & (positions < end))
         return self.window[1:]
 
-    def _verify(self, step: int, start: int, end: int, lo: int, hi: int, drafts: Tensor) -> Tensor:
-        """The sampler's `forward`: the next step's logits on each of its drafts (self-speculative decoding)."""
+    def _verify(self, step: int, start: int, end: int, lo: int, hi: int, drafts: Tensor, tree: bool = False
+                ) -> Tensor:
+        """The sampler's `forward`: the next step's logits on each of its drafts (self-speculative decoding), by
+        batch expansion or (`tree`) tree attention (`Runner.verify`)."""
         next_lo, next_hi, next_rows = self._plan(step + 1, start, end)  # refreshes mid-block: refused up front
         if (next_lo, next_hi) != (lo, hi):
             raise DllmError(f"sampler {self.sampler.name!r} verifies drafts with the logits of the next step, so its "
                             f"logit_window must not change inside a block")
-        return self.runner.verify(drafts, lo, hi, next_rows, block=(start, end))
+        return self.runner.verify(drafts, lo, hi, next_rows, block=(start, end), tree=tree)
 
     def _move_block_end(self, ctx: samplers_mod.StepContext) -> int:
         """The block end the sampler chooses at the block's first step (AdaBlock); `ctx` follows it."""

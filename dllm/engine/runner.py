@@ -136,7 +136,9 @@ class Runner:
         sees_canvas = sees.repeat_interleave(every, 0)[:, None] if len(sees) > 1 else sees[:, None]
         own = model.visible_keys(extra_positions, key_positions, pad_mask, window)  # what a canvas row there sees
         sees_canvas = sees_canvas if own is None else sees_canvas & own
-        own = model.visible_keys(extra_positions, extra_positions, None, window)
+        padded = self.canvas.key_mask  # an extra row at a padding column is padding too
+        padded = None if padded is None else padded[..., extra.columns].repeat_interleave(every, 0)
+        own = model.visible_keys(extra_positions, extra_positions, padded, window)
         sees_extra = extra.sees_extra if own is None else extra.sees_extra & own
         canvas_sees = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=model.device) if key_mask is None else key_mask
         width = sees_canvas.shape[-1]  # the canvas keys
@@ -144,9 +146,13 @@ class Runner:
             torch.cat((canvas_sees.expand(n, 1, a, width), sees_canvas.new_zeros((n, 1, a, e))), -1),
             torch.cat((sees_canvas.expand(n, 1, e, width), sees_extra.expand(n, 1, e, e)), -1)), 2)
         wanted = torch.arange(e, device=model.device) if extra.wanted is None else extra.wanted
+        extra_tokens = extra.tokens.repeat_interleave(every, 0)
+        if self.guidance.guided:  # in the unconditional copy an extra row at a prompt column is masked, as the canvas's
+            extra_tokens[1::2] = unconditional(extra.tokens[:, None], self.prompt_columns[:, extra.columns],
+                                               model.config.mask_id)[:, 0]
         if not rows.is_slice:  # compiled: every row's position, so that the graph sizes the canvas rows by all rows
             rows = Rows(torch.cat((rows.index, extra.columns)))
-        return (torch.cat((tokens, extra.tokens.repeat_interleave(every, 0)), 1),
+        return (torch.cat((tokens, extra_tokens), 1),
                 torch.cat((query_positions, extra_positions), 1), mask, ExtraKeys(kv, e), rows,
                 torch.cat((logit_rows, (a + wanted).expand(n, -1)), 1))
 
@@ -180,26 +186,56 @@ class Runner:
             out[..., self.model.config.mask_id] = float("-inf")
         return out.index_copy_(0, index, logits)
 
-    def verify(self, drafts: Tensor, lo: int, hi: int, rows: Rows, block: tuple[int, int] | None = None) -> Tensor:
-        """One forward over draft windows `[B, K, hi - lo]` on a fork of the store: the logits
-        `[B, K, hi - lo, V]` the next step would see on each draft. The generation's store is not changed."""
+    def verify(self, drafts: Tensor, lo: int, hi: int, rows: Rows, block: tuple[int, int] | None = None,
+               tree: bool = False) -> Tensor:
+        """One forward over draft windows `[B, K, hi - lo]`: the logits `[B, K, hi - lo, V]` the next step would see
+        on each draft, computing the next step's `rows` (a slice) per draft. By batch expansion (FreeDave's
+        `batch_expanding`): K copies of each canvas row on a fork of the store, the generation's store unchanged.
+        `tree` (FreeDave's tree attention, `get_tree_attention_mask_and_position_ids`): one row of the batch per
+        canvas row, draft 0 computed as its rows and the others as extra rows beside them, each seeing the store's
+        other columns and its own rows only; the store keeps draft 0's keys and values of `rows`, which every later
+        forward computes again before reading them (drafts verify only where the next step computes this slice)."""
         batch, copies = drafts.shape[:2]
-        tokens = self.canvas.tokens.repeat_interleave(copies, 0)
-        tokens[:, lo:hi] = drafts.flatten(0, 1)
         if self.verified is not None:  # drafts the sampler did not take
             self._give_back(self.verified[1])
+        if tree:
+            tokens = self.canvas.tokens.clone()
+            tokens[:, lo:hi] = drafts[:, 0]
+            extra = self._branches(drafts[:, 1:], lo, hi, rows) if copies > 1 else None
+            logits = self.forward(lo, hi, rows, tokens, block=block, extra=extra, kind="verify")
+            self.verified = (drafts, None, logits.unflatten(1, (copies, hi - lo)), rows)
+            return self.verified[2]
+        tokens = self.canvas.tokens.repeat_interleave(copies, 0)
+        tokens[:, lo:hi] = drafts.flatten(0, 1)
         fork = self.kv.fork(copies, self.allocate)  # graphs: the last fork's addresses again
         logits = self.forward(lo, hi, rows, tokens, fork, block=block).unflatten(0, (batch, copies))
         self.verified = (drafts, fork, logits, rows)
         return logits
+
+    def _branches(self, drafts: Tensor, lo: int, hi: int, rows: Rows) -> ExtraRows:
+        """Draft windows `[B, K, hi - lo]` as extra rows: per draft a copy of the canvas rows `rows` (a slice) holding
+        it, seeing the canvas's other columns and its own rows; the logits wanted are its window's."""
+        canvas, shift = self.canvas.tokens, self.model.config.logit_shift
+        length, copies = canvas.shape[1], drafts.shape[1]
+        first, end, _ = rows.index.indices(length)
+        tokens = canvas[:, None].repeat(1, copies, 1)
+        tokens[:, :, lo:hi] = drafts
+        column, width = torch.arange(length, device=canvas.device), end - first
+        branch = torch.arange(copies * width, device=canvas.device) // width
+        slots = (torch.arange(lo - shift, hi - shift, device=canvas.device) - first).clamp(min=0)  # as `_slots`
+        return ExtraRows(tokens=tokens[:, :, first:end].flatten(1), columns=column[first:end].repeat(copies),
+                         sees_canvas=((column < first) | (column >= end)).expand(1, copies * width, -1),
+                         sees_extra=branch[:, None] == branch[None],
+                         wanted=(torch.arange(copies, device=canvas.device)[:, None] * width + slots).flatten())
 
     def adopt(self, choice: Tensor) -> tuple[Tensor, Tensor]:
         """Take draft `choice` `[B]` of the last `verify` into the store; returns the chosen drafts `[B, hi - lo]`
         (for the loop to check against the sampler's commits) and their logits, the next step's."""
         drafts, fork, logits, rows = self.verified
         pick = torch.arange(len(choice), device=choice.device)
-        self.kv.adopt(fork, choice.repeat_interleave(2) if self.guidance.guided else choice, rows.index)  # copies too
-        self._give_back(fork)
+        if fork is not None:  # (tree: nothing to take, see `verify`)
+            self.kv.adopt(fork, choice.repeat_interleave(2) if self.guidance.guided else choice, rows.index)  # copies
+            self._give_back(fork)
         self.verified = None
         return drafts[pick, choice], logits[pick, choice]
 
