@@ -8,7 +8,12 @@ of the block whose probability is above `threshold` (at most `min(max(int(0.7 |m
 probable; at least the most probable one). Narrow-out, when more than one was committed, re-masks the block's
 tokens decoded before this step whose shadow probability is below `remask_threshold`, at most one fewer than the
 previous step committed (the authors' `last_accept`, 30 before a block's first step). A block ends when it has no
-mask left, however many steps that takes."""
+mask left, however many steps that takes.
+
+Differences from the authors' function: MASK is never proposed (`samplers.base`); at temperature > 0 each row draws
+its Gumbel noise over its block from its own generator (theirs: one draw over every row of the forward; the same
+law); the batch is left-padded (theirs: batch 1). `rule="d2cache"` takes Kamichanw/d2Cache's port instead: at least
+tau_in, re-masks capped by this step's commits - 1 (the spec's configuration (d))."""
 from __future__ import annotations
 
 from dataclasses import dataclass
