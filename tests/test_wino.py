@@ -106,6 +106,8 @@ def test_random_model_is_decoding_wino_token_for_token_and_forward_for_forward(r
         assert stats.gen_tokens == gen  # commits less re-masks
         if config == "a_fallback":  # nothing clears 0.6 on a random model: one token per step, never re-masked
             assert nfe == gen and remasks == 0
+        if config == "c_never_remask":  # capped threshold decoding: the cap (11, then 5) bounds the forwards
+            assert remasks == 0 and nfe == 2
         if config in ("b_capped", "d_d2cache"):
             assert remasks > 0
     if config == "d_d2cache":  # the two rules part on this configuration
