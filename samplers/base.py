@@ -43,12 +43,34 @@ class StepContext:
     prompt_length: int  # canvas position where the generation starts
     state: SimpleNamespace  # this generation's sampler state (e.g. credits), owned by the loop: fresh per run, so
     # one sampler object can decode many batches at once
-    forward: Callable[[Tensor], Tensor] | None = None  # drafts [B, K, C] -> the next step's logits [B, K, C, V]
-    # on each draft, in one counted forward (self-speculative verification; samplers with `drafts = True`)
+    forward: Callable[..., Tensor] | None = None  # drafts [B, K, C] (, tree: by tree attention) -> the next step's
+    # logits [B, K, C, V] on each draft, in one counted forward (self-speculative verification; samplers with
+    # `drafts = True`)
     editable: Tensor | None = None  # [B, C] bool: decoded answer tokens of the current block, unfinished rows
     # (samplers with `edits = True`; never the prompt or another block)
     family: str = "llada"  # "llada" (aligned logits) or "dream" (shifted), for defaults the papers set per family
     config: Any = None  # the model's `ModelConfig`: its special ids (mask, stops, edit tokens)
+    extra_logits: Tensor | None = None  # [B, E, V] logits of the sampler's `extra_rows` (samplers with `adds_rows`),
+    # each extra row's own (on a shifted model, Dream, a row scores the column after its own)
+
+
+@dataclass
+class ExtraRows:
+    """Rows a forward computes beside the canvas rows (`Sampler.extra_rows`: WINO's shadow block; the drafts of
+    tree-attention verification). No canvas row attends to them and their keys and values are never stored. Each
+    sees the canvas columns and the extra rows its masks name, and never more than a canvas row at its column sees
+    (padding, block-causal attention)."""
+
+    tokens: Tensor  # [B, E] input ids
+    columns: Tensor  # [E] the canvas column each stands at: its RoPE position is that column's
+    sees_canvas: Tensor  # [B or 1, E, L] bool: the canvas columns each attends to
+    sees_extra: Tensor  # [E, E] bool: the extra rows each attends to
+    wanted: Tensor | None = None  # [E'] the extra rows whose logits are needed (None: every one)
+
+    def take_rows(self, index: Tensor) -> "ExtraRows":
+        """The extra rows of the batch rows `index` alone."""
+        sees = self.sees_canvas if len(self.sees_canvas) == 1 else self.sees_canvas[index]
+        return replace(self, tokens=self.tokens[index], sees_canvas=sees)
 
 
 @dataclass
@@ -58,7 +80,8 @@ class Commit:
     confidence: Tensor  # [B, C] float: the score the choice was made on (for traces)
     verified: Tensor | None = None  # [B] long: the draft (from ctx.forward) these commits produce; its logits
     # become the next step's, so that step needs no forward
-    edit: Tensor | None = None  # [B, C] bool: editable positions rewritten with `tokens` (token editing)
+    edit: Tensor | None = None  # [B, C] bool: editable positions rewritten with `tokens` (token editing); the mask
+    # token re-masks a position (WINO's narrow-out): it is not yet committed again
     again: Tensor | None = None  # [B] bool: rows that want another step of this block even with no mask left
     draft: Tensor | None = None  # [B, C] long: the next tokens of the uncommitted positions not committed now (a
     # uniform-state canvas, renoised)
@@ -84,6 +107,7 @@ class Sampler(Params):
     leaves_masks: ClassVar[bool] = False  # may give positions up (`Commit.given_up`), so an answer may hold masks
     batch_params: ClassVar[tuple[str, ...]] = ()  # numeric parameters the rows of a batch share (they set the logits
     # the batch computes); the others may differ per row (`stack_rows`)
+    adds_rows: ClassVar[bool] = False  # its forwards compute `extra_rows` beside the canvas rows (WINO's shadow block)
     orders_by_token_probability: ClassVar[bool] = True  # commits in the order of `token_probability` (or at random),
     # so LLaDA's `confidence_eos_eot_inf` (`scoring_without`) reaches its choice
     temperature: float = param(0.0, "sampling temperature (0 = greedy)", ge=0.0)
@@ -147,6 +171,11 @@ class Sampler(Params):
     def model_inputs(self, state: SimpleNamespace, step: int) -> dict | None:
         """Hook: further keywords of the model's `run` for the forward of `step` (DiffusionGemma's
         self-conditioning), from this generation's sampler state."""
+        return None
+
+    def extra_rows(self, canvas: Tensor, start: int, end: int, config: Any) -> ExtraRows | None:
+        """Hook of samplers with `adds_rows`: the rows the forward of a step of block `[start, end)` computes beside
+        the canvas rows, given the `[B, L]` canvas; their logits are the step's `ctx.extra_logits`."""
         return None
 
     def block_end(self, ctx: StepContext) -> int:

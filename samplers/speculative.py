@@ -49,6 +49,9 @@ class Speculative(Sampler):
     force_first: bool = param(False, "commit each block's first position from the block-start forward whatever its "
                                      "probability, and read no logits for it after (FreeDave's Dream path; on Dream "
                                      "the caches then keep the row before the block as the block start left it)")
+    verify: str = param("tree", "how the drafts share the verifying forward: tree (FreeDave's tree attention: the "
+                                "drafts as extra rows of each row; measured faster on a CPU) or batch (a copy of each "
+                                "row per draft on a forked store)", choices=("tree", "batch"))
 
     def __post_init__(self):
         super().__post_init__()
@@ -86,7 +89,7 @@ class Speculative(Sampler):
         k = torch.arange(n, device=rank.device)
         fill = first[:, None] | (rest[:, None] & (rank[:, None] < k[None, :, None]))  # [B, n, C]
         drafts = torch.where(fill, tokens[:, None], ctx.canvas[:, ctx.positions][:, None])
-        logits = ctx.forward(drafts)  # [B, n, C, V]
+        logits = ctx.forward(drafts, self.verify == "tree")  # [B, n, C, V]
         # target of draft i: its successor by the rule; from d_0 (right by construction) move to the draft equal to
         # the target of the last one reached, among a row's own K drafts that leave a mask
         after = logits.argmax(-1)

@@ -10,6 +10,7 @@ from dllm import cache as caches
 from dllm import samplers
 from dllm.core.errors import DllmError
 from dllm.engine import decode
+from dllm.engine.guidance import Guidance
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
 
@@ -114,3 +115,40 @@ def test_block_cache_verifies_drafts_on_block_causal_models(preset):
     got, stats, _ = run_block_cache("speculative", draft_steps=4)
     assert torch.equal(got.tokens, want.tokens)
     assert stats.nfe < stepwise.nfe
+
+
+def same_run(a, b):
+    (tokens, stats, _), (other, other_stats, _) = a, b
+    return torch.equal(tokens.tokens, other.tokens) and (stats.nfe, stats.rows_per_layer, stats.gen_tokens) == \
+        (other_stats.nfe, other_stats.rows_per_layer, other_stats.gen_tokens)
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+def test_tree_attention_verifies_as_batch_expansion(model, cache):
+    """FreeDave's tree attention (the drafts as extra rows of one forward, each seeing the store's other columns and
+    itself) gives batch expansion's tokens, forwards and rows computed: padded rows, Dream's shifted rows."""
+    for k in (2, 4):
+        assert same_run(run(model, "speculative", cache, draft_steps=k, verify="tree"),
+                        run(model, "speculative", cache, draft_steps=k, verify="batch"))
+
+
+@pytest.mark.parametrize("cache", ["none", "dual"])
+def test_tree_attention_under_guidance(cache):
+    """The drafts' unconditional copies (the prompt masked in the rows of each draft that hold it)."""
+    model = random_model("llada-tiny")
+
+    def guided(verify):
+        return decode(model, PROMPTS, samplers.SAMPLERS.create("speculative", verify=verify),
+                      caches.CACHES.create(cache), 32, 8, stop_early=False, guidance=Guidance(cfg_scale=1.0))
+    assert same_run(guided("tree"), guided("batch"))
+
+
+@pytest.mark.parametrize("preset", ["fast-dllm-v2-tiny", "llada2-tiny"])
+def test_tree_attention_on_block_causal_models(preset):
+    model = random_model(preset)
+    block = model.config.block_size
+
+    def verified(how):
+        return decode(model, PROMPTS, samplers.SAMPLERS.create("speculative", draft_steps=4, verify=how),
+                      caches.CACHES.create("block"), 8 * block, block, stop_early=False)
+    assert same_run(verified("tree"), verified("batch"))

@@ -71,6 +71,13 @@ def check_policies(model: DiffusionLM, sampler: Sampler, cache: Cache, compile: 
     if sampler.drafts and getattr(cache, "refresh_every", 0):
         raise DllmError(f"sampler {sampler.name!r} verifies drafts inside a block between cache refreshes; use "
                         f"cache {cache.name!r} with refresh_every=0")
+    if sampler.adds_rows and not cache.compiles:
+        raise DllmError(f"sampler {sampler.name!r} computes extra rows beside the canvas rows, which cache "
+                        f"{cache.name!r} (rows chosen token by token) cannot serve; use cache none, prefix, dual or "
+                        f"(block-causal models) block")
+    if sampler.adds_rows and not isinstance(model, DiffusionLM):
+        raise DllmError(f"sampler {sampler.name!r} computes extra rows beside the canvas rows, which the {cfg.arch} "
+                        f"network does not take; use another sampler")
     if sampler.reads_decoded_logits and not cache.compiles:  # a cache computing slices covers the whole window
         raise DllmError(f"sampler {sampler.name!r} reads the logits of decoded tokens, which cache {cache.name!r} does "
                         f"not compute; use cache none, prefix or dual")

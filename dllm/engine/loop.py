@@ -258,8 +258,8 @@ class Batch:
                 end = self._move_block_end(ctx)
             with samplers_mod.scoring_without(self.unscored):  # LLaDA's confidence_eos_eot_inf
                 out = self.stacked.step(ctx)
-            commit, checks, reused = self._write(ctx, out, lo, hi)
-            committed += commit.sum()
+            commit, added, checks, reused = self._write(ctx, out, lo, hi)
+            committed += added
             self._after_step(ctx, out, commit, counted)
             open_now = self._open_rows_checked(ctx, out, checks)  # the step's one wait for the device
             step += 1
@@ -309,9 +309,10 @@ class Batch:
         others are not) are left out of the forward where the cache recomputes every row at the next block start;
         their logits are zero, and the sampler commits nothing there."""
         inputs = self.sampler.model_inputs(self.state, step)
+        extra = self.stacked.extra_rows(self.canvas.tokens, *block, self.model.config)  # after the window's logits
         if all(open_now) or not self.cache.block_fresh or self.compile or self.sampler.drafts:
-            return self.runner.forward(lo, hi, rows, inputs=inputs, block=block)
-        return self.runner.forward_open(lo, hi, rows, open_now, inputs, block)
+            return self.runner.forward(lo, hi, rows, inputs=inputs, block=block, extra=extra)
+        return self.runner.forward_open(lo, hi, rows, open_now, inputs, block, extra)
 
     def _open_rows(self, start: int, end: int, again: Tensor | None = None) -> Tensor:
         """[B] rows with an uncommitted position left in the block, or (token editing) asking for another step."""
@@ -330,6 +331,7 @@ class Batch:
         if sampler.edits:  # decoded answer tokens of this block; never the prompt (its tail shares the block)
             decoded = ~self.masked_at_plan[:, lo:hi] & self.unfinished[:, None]
             editable = decoded & in_block & (positions >= canvas.gen_start[:, None])
+        logits, extra_logits = logits[:, :hi - lo], logits[:, hi - lo:] if logits.shape[1] > hi - lo else None
         return samplers_mod.StepContext(
             logits=logits, eligible=masked & in_block, masked=masked, positions=positions, canvas=canvas.tokens,
             step=step, steps=self.steps_per_block, block=self.block,
@@ -337,7 +339,7 @@ class Batch:
             generators=[g if o else None for g, o in zip(self.generators, open_now)],
             nfe=self.stats.nfe - 1, total_steps=self.total_steps, block_start=start, block_end=end,
             prompt_length=canvas.prompt_length, state=self.state, editable=editable, family=self.family,
-            config=self.model.config,
+            config=self.model.config, extra_logits=extra_logits,
             forward=partial(self._verify, step, start, end, lo, hi) if sampler.drafts else None)
 
     def _window(self, lo: int, hi: int, start: int, end: int) -> tuple[Tensor, Tensor]:
@@ -347,13 +349,15 @@ class Batch:
             self.window = ((lo, hi, start, end), positions, (positions >= start) & (positions < end))
         return self.window[1:]
 
-    def _verify(self, step: int, start: int, end: int, lo: int, hi: int, drafts: Tensor) -> Tensor:
-        """The sampler's `forward`: the next step's logits on each of its drafts (self-speculative decoding)."""
+    def _verify(self, step: int, start: int, end: int, lo: int, hi: int, drafts: Tensor, tree: bool = False
+                ) -> Tensor:
+        """The sampler's `forward`: the next step's logits on each of its drafts (self-speculative decoding), by
+        batch expansion or (`tree`) tree attention (`Runner.verify`)."""
         next_lo, next_hi, next_rows = self._plan(step + 1, start, end)  # refreshes mid-block: refused up front
         if (next_lo, next_hi) != (lo, hi):
             raise DllmError(f"sampler {self.sampler.name!r} verifies drafts with the logits of the next step, so its "
                             f"logit_window must not change inside a block")
-        return self.runner.verify(drafts, lo, hi, next_rows, block=(start, end))
+        return self.runner.verify(drafts, lo, hi, next_rows, block=(start, end), tree=tree)
 
     def _move_block_end(self, ctx: samplers_mod.StepContext) -> int:
         """The block end the sampler chooses at the block's first step (AdaBlock); `ctx` follows it."""
@@ -366,10 +370,11 @@ class Batch:
         return end
 
     def _write(self, ctx: samplers_mod.StepContext, out: samplers_mod.Commit, lo: int, hi: int
-               ) -> tuple[Tensor, list[Tensor], tuple | None]:
+               ) -> tuple[Tensor, Tensor, list[Tensor], tuple | None]:
         """Write the sampler's commits (and edits) into the canvas and adopt a verified draft's store. Returns the
-        committed positions, the step's checks (stalled, draft differs; device scalars, read with the step's one
-        wait) and the window and logits a verified draft already computed for the next step."""
+        committed positions, the tokens the step added (commits less re-masks; a device scalar), the step's checks
+        (stalled, draft differs; device scalars, read with the step's one wait) and the window and logits a
+        verified draft already computed for the next step."""
         if not isinstance(out, samplers_mod.Commit):
             raise DllmError(f"sampler {self.sampler.name!r} returned {type(out).__name__} from step; return a "
                             f"Commit(mask, tokens, confidence)")
@@ -381,8 +386,12 @@ class Batch:
         # device wait
         stalled = ((ctx.eligible.any(1) > (decided & ctx.eligible).any(1)).any()
                    if not self.sampler.may_commit_nothing else self.never)
-        written = commit if ctx.editable is None or out.edit is None else commit | (out.edit & ctx.editable)
-        if self.captured is not None:  # the committed (and edited) tokens, not a renoised canvas's drafts
+        written, added = commit, commit.sum()
+        if ctx.editable is not None and out.edit is not None:
+            written = commit | (out.edit & ctx.editable)
+            added = added - (written & ~commit & (out.tokens == canvas.mask_id)).sum()  # re-masked: uncommitted
+        if self.captured is not None:  # the committed (and edited) tokens, not a renoised canvas's drafts (a re-masked
+            # position's is rewritten when it is committed again)
             drawn_from = ctx.logits if out.logits is None else out.logits
             self.captured.write(written, lo, hi, self.stacked.log_distribution(drawn_from), out.tokens)
         new = out.tokens
@@ -393,9 +402,9 @@ class Batch:
             canvas.uncommitted = canvas.uncommitted.clone()
             canvas.uncommitted[:, lo:hi] &= ~commit
         if out.verified is None:
-            return commit, [stalled], None
+            return commit, added, [stalled], None
         draft, draft_logits = self.runner.adopt(out.verified)
-        return commit, [stalled, (draft != tokens[:, lo:hi]).any()], ((lo, hi), draft_logits)
+        return commit, added, [stalled, (draft != tokens[:, lo:hi]).any()], ((lo, hi), draft_logits)
 
     def _give_up(self, ctx: samplers_mod.StepContext, out: samplers_mod.Commit, commit: Tensor, lo: int) -> Tensor:
         """Mark the eligible positions the sampler gave up (and did not commit): they stay masked, no longer

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from .. import cache as caches
 from ..models import DiffusionLM, Rows
+from ..samplers import ExtraRows
 from .canvas import Canvas
 from .guidance import Guidance, unconditional
 from .stats import Stats
@@ -56,12 +57,15 @@ class Runner:
             store_lender(self.model).give_back(store.tensors)
 
     def forward(self, lo: int, hi: int, rows: Rows, tokens: Tensor | None = None, kv=None,
-                inputs: dict | None = None, block: tuple[int, int] | None = None) -> Tensor:
+                inputs: dict | None = None, block: tuple[int, int] | None = None, extra: ExtraRows | None = None,
+                kind: str | None = None) -> Tensor:
         """Logits of canvas positions `[lo, hi)` for every row of `tokens` (default: the canvas; or copies of
         it, drafts), computing `rows` against the store `kv` (default: the generation's); `inputs`: the sampler's
         further keywords of `model.run` (`Sampler.model_inputs`). On a causal-prefix model the positions being
         decoded run from the start of `block` (default `(lo, hi)`), the block being decoded, to `hi`: a row the
-        sampler reads before the block is computed causally."""
+        sampler reads before the block is computed causally. `extra`: rows computed beside them (`ExtraRows`),
+        whose logits (the wanted ones) follow the window's: `[B, hi - lo + E, V]`. `kind`: the profile's name of
+        this forward (default: verify for draft copies, else full or cached)."""
         model, canvas, cfg = self.model, self.canvas, self.model.config
         tokens = canvas.tokens if tokens is None else tokens
         kv = self.kv if kv is None else kv
@@ -84,15 +88,18 @@ class Runner:
         if key_mask is not None and not self.cache.stores_kv:
             key_mask = key_mask[..., rows.index]
         query_positions = caches.gather_rows(positions, rows)
+        key_positions = positions if self.cache.stores_kv else query_positions
         first = lo if block is None else block[0]
         window = (positions[:, first], positions[:, hi - 1] + 1) if cfg.causal_prefix else None  # decoded now
-        key_mask = model.visible_keys(query_positions, positions if self.cache.stores_kv else query_positions,
-                                      key_mask, window)
+        run = (caches.gather_rows(tokens, rows), query_positions,
+               model.visible_keys(query_positions, key_positions, key_mask, window), kv, rows,
+               slots if rows.is_slice else slots.clamp(min=0))
+        if extra is not None:
+            run = self._with_extra(extra, every, run, key_positions, key_mask, window)
         began = clock(model.device) if self.profile else 0.0
         if self.graphed:
             torch.compiler.cudagraph_mark_step_begin()  # the last replay's outputs are no longer read
-        logits = self.run(caches.gather_rows(tokens, rows), query_positions, key_mask, kv, rows,
-                          slots if rows.is_slice else slots.clamp(min=0), **(inputs or {}))
+        logits = self.run(*run, **(inputs or {}))
         if self.graphed:
             logits = logits.clone()
         if not rows.is_slice and rows.index.dim() == 2:  # rows served from the store predict nothing this step
@@ -107,12 +114,47 @@ class Runner:
         before = counter.rows_per_layer[0]
         counter.count(tokens.shape[0] * computed, tokens.shape[0] * length)
         full = counter.rows_per_layer[0] - before == tokens.shape[0] * length  # layer 0 computed every row
+        if extra is not None:
+            counter.count(tokens.shape[0] * extra.tokens.shape[1], 0)
         if self.profile:
-            kind = "verify" if copies > 1 else "full" if full else "cached"
+            kind = kind or ("verify" if copies > 1 else "full" if full else "cached")
             self.stats.forward_seconds.setdefault(kind, []).append(clock(model.device) - began)
         self.stats.nfe += 1
         self.stats.full_forwards += int(full)
         return logits
+
+    def _with_extra(self, extra: ExtraRows, every: int, run: tuple, key_positions: Tensor,
+                    pad_mask: Tensor | None, window: tuple[Tensor, Tensor] | None) -> tuple:
+        """`model.run`'s arguments with the extra rows after the canvas rows: their tokens and positions, the
+        key mask over the canvas keys and theirs (no canvas row sees an extra row), their K/V kept out of the
+        store (`ExtraKeys`) and their wanted logits after the window's."""
+        tokens, query_positions, key_mask, kv, rows, logit_rows = run
+        model, (n, a) = self.model, tokens.shape
+        e = extra.tokens.shape[1]
+        extra_positions = self.canvas.positions[:, extra.columns].repeat_interleave(every, 0)
+        sees = extra.sees_canvas if self.cache.stores_kv else extra.sees_canvas[..., rows.index]
+        sees_canvas = sees.repeat_interleave(every, 0)[:, None] if len(sees) > 1 else sees[:, None]
+        own = model.visible_keys(extra_positions, key_positions, pad_mask, window)  # what a canvas row there sees
+        sees_canvas = sees_canvas if own is None else sees_canvas & own
+        padded = self.canvas.key_mask  # an extra row at a padding column is padding too
+        padded = None if padded is None else padded[..., extra.columns].repeat_interleave(every, 0)
+        own = model.visible_keys(extra_positions, extra_positions, padded, window)
+        sees_extra = extra.sees_extra if own is None else extra.sees_extra & own
+        canvas_sees = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=model.device) if key_mask is None else key_mask
+        width = sees_canvas.shape[-1]  # the canvas keys
+        mask = torch.cat((
+            torch.cat((canvas_sees.expand(n, 1, a, width), sees_canvas.new_zeros((n, 1, a, e))), -1),
+            torch.cat((sees_canvas.expand(n, 1, e, width), sees_extra.expand(n, 1, e, e)), -1)), 2)
+        wanted = torch.arange(e, device=model.device) if extra.wanted is None else extra.wanted
+        extra_tokens = extra.tokens.repeat_interleave(every, 0)
+        if self.guidance.guided:  # in the unconditional copy an extra row at a prompt column is masked, as the canvas's
+            extra_tokens[1::2] = unconditional(extra.tokens[:, None], self.prompt_columns[:, extra.columns],
+                                               model.config.mask_id)[:, 0]
+        if not rows.is_slice:  # compiled: every row's position, so that the graph sizes the canvas rows by all rows
+            rows = Rows(torch.cat((rows.index, extra.columns)))
+        return (torch.cat((tokens, extra_tokens), 1),
+                torch.cat((query_positions, extra_positions), 1), mask, ExtraKeys(kv, e), rows,
+                torch.cat((logit_rows, (a + wanted).expand(n, -1)), 1))
 
     def _slots(self, rows: Rows, lo: int, hi: int, batch: int) -> Tensor:
         """`[batch, hi - lo]`: where canvas rows `[lo, hi)` sit among the computed `rows` (-1: not computed). A
@@ -126,7 +168,7 @@ class Runner:
         return self.slice_slots[key]
 
     def forward_open(self, lo: int, hi: int, rows: Rows, open_rows: list[bool], inputs: dict | None = None,
-                     block: tuple[int, int] | None = None) -> Tensor:
+                     block: tuple[int, int] | None = None, extra: ExtraRows | None = None) -> Tensor:
         """`forward` of the batch rows `open_rows` alone, against a copy of their store rows (copied back after):
         the rows with nothing left to decode in a block are left out, their logits zero (MASK -inf) and their store
         rows as they were; only for caches that recompute every row at the next block start (`block_fresh`)."""
@@ -137,35 +179,90 @@ class Runner:
         stored = torch.stack((2 * index, 2 * index + 1), 1).flatten() if self.guidance.guided else index  # + copies
         part.kv = self.kv.take_rows(stored)
         logits = part.forward(lo, hi, rows, inputs={k: v.index_select(0, index) for k, v in (inputs or {}).items()},
-                              block=block)
+                              block=block, extra=None if extra is None else extra.take_rows(index))
         self.kv.put_rows(part.kv, stored)
         out = logits.new_zeros((len(open_rows), *logits.shape[1:]))
         if self.model.config.mask_id is not None:
             out[..., self.model.config.mask_id] = float("-inf")
         return out.index_copy_(0, index, logits)
 
-    def verify(self, drafts: Tensor, lo: int, hi: int, rows: Rows, block: tuple[int, int] | None = None) -> Tensor:
-        """One forward over draft windows `[B, K, hi - lo]` on a fork of the store: the logits
-        `[B, K, hi - lo, V]` the next step would see on each draft. The generation's store is not changed."""
+    def verify(self, drafts: Tensor, lo: int, hi: int, rows: Rows, block: tuple[int, int] | None = None,
+               tree: bool = False) -> Tensor:
+        """One forward over draft windows `[B, K, hi - lo]`: the logits `[B, K, hi - lo, V]` the next step would see
+        on each draft, computing the next step's `rows` (a slice) per draft. By batch expansion (FreeDave's
+        `batch_expanding`): K copies of each canvas row on a fork of the store, the generation's store unchanged.
+        `tree` (FreeDave's tree attention, `get_tree_attention_mask_and_position_ids`): one row of the batch per
+        canvas row, draft 0 computed as its rows and the others as extra rows beside them, each seeing the store's
+        other columns and its own rows only; the store keeps draft 0's keys and values of `rows`, which every later
+        forward computes again before reading them (drafts verify only where the next step computes this slice)."""
         batch, copies = drafts.shape[:2]
-        tokens = self.canvas.tokens.repeat_interleave(copies, 0)
-        tokens[:, lo:hi] = drafts.flatten(0, 1)
         if self.verified is not None:  # drafts the sampler did not take
             self._give_back(self.verified[1])
+        if tree:
+            tokens = self.canvas.tokens.clone()
+            tokens[:, lo:hi] = drafts[:, 0]
+            extra = self._branches(drafts[:, 1:], lo, hi, rows) if copies > 1 else None
+            logits = self.forward(lo, hi, rows, tokens, block=block, extra=extra, kind="verify")
+            self.verified = (drafts, None, logits.unflatten(1, (copies, hi - lo)), rows)
+            return self.verified[2]
+        tokens = self.canvas.tokens.repeat_interleave(copies, 0)
+        tokens[:, lo:hi] = drafts.flatten(0, 1)
         fork = self.kv.fork(copies, self.allocate)  # graphs: the last fork's addresses again
         logits = self.forward(lo, hi, rows, tokens, fork, block=block).unflatten(0, (batch, copies))
         self.verified = (drafts, fork, logits, rows)
         return logits
+
+    def _branches(self, drafts: Tensor, lo: int, hi: int, rows: Rows) -> ExtraRows:
+        """Draft windows `[B, K, hi - lo]` as extra rows: per draft a copy of the canvas rows `rows` (a slice) holding
+        it, seeing the canvas's other columns and its own rows; the logits wanted are its window's."""
+        canvas, shift = self.canvas.tokens, self.model.config.logit_shift
+        length, copies = canvas.shape[1], drafts.shape[1]
+        first, end, _ = rows.index.indices(length)
+        tokens = canvas[:, None].repeat(1, copies, 1)
+        tokens[:, :, lo:hi] = drafts
+        column, width = torch.arange(length, device=canvas.device), end - first
+        branch = torch.arange(copies * width, device=canvas.device) // width
+        slots = (torch.arange(lo - shift, hi - shift, device=canvas.device) - first).clamp(min=0)  # as `_slots`
+        return ExtraRows(tokens=tokens[:, :, first:end].flatten(1), columns=column[first:end].repeat(copies),
+                         sees_canvas=((column < first) | (column >= end)).expand(1, copies * width, -1),
+                         sees_extra=branch[:, None] == branch[None],
+                         wanted=(torch.arange(copies, device=canvas.device)[:, None] * width + slots).flatten())
 
     def adopt(self, choice: Tensor) -> tuple[Tensor, Tensor]:
         """Take draft `choice` `[B]` of the last `verify` into the store; returns the chosen drafts `[B, hi - lo]`
         (for the loop to check against the sampler's commits) and their logits, the next step's."""
         drafts, fork, logits, rows = self.verified
         pick = torch.arange(len(choice), device=choice.device)
-        self.kv.adopt(fork, choice.repeat_interleave(2) if self.guidance.guided else choice, rows.index)  # copies too
-        self._give_back(fork)
+        if fork is not None:  # (tree: nothing to take, see `verify`)
+            self.kv.adopt(fork, choice.repeat_interleave(2) if self.guidance.guided else choice, rows.index)  # copies
+            self._give_back(fork)
         self.verified = None
         return drafts[pick, choice], logits[pick, choice]
+
+
+class ExtraKeys:
+    """A store's K/V access (`dllm.models.KVAccess`) for a forward whose last `extra_rows` rows are extra rows
+    (`ExtraRows`): the canvas rows' keys and values go to the store as ever; the extra rows' are appended to the
+    keys every query may attend to, and never stored. Only for caches that compute slices (no rows grown, no
+    attention observed: `checks.py`)."""
+
+    def __init__(self, kv: caches.PassThrough, extra_rows: int):
+        self.kv, self.extra_rows = kv, extra_rows
+
+    def expand(self, layer: int, rows: Rows, x: Tensor) -> None:
+        return None
+
+    def update(self, layer: int, rows: Rows, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        e = self.extra_rows
+        canvas = rows if rows.is_slice else Rows(rows.index[:-e])  # (compiled: positions of every row, see _with_extra)
+        keys, values = self.kv.update(layer, canvas, q[:, :, :-e], k[:, :, :-e], v[:, :, :-e])
+        return torch.cat((keys, k[:, :, -e:]), 2), torch.cat((values, v[:, :, -e:]), 2)
+
+    def attention_rows(self, layer: int, rows: Rows) -> None:
+        return None
+
+    def observe_attention(self, layer: int, rows: Rows, probs: Tensor) -> None:
+        pass
 
 
 # A model's floats (RMSNorm eps) are compiled in as constants: a layer region (`Block`) takes tensors only, and

@@ -13,7 +13,8 @@ class Stats:
 
     nfe: int = 0  # forwards (every model call)
     full_forwards: int = 0  # forwards that recomputed the whole canvas
-    gen_tokens: int = 0  # tokens committed by the sampler (filler after a finished answer excluded)
+    gen_tokens: int = 0  # tokens committed by the sampler, less those it masked again (WINO); filler after a finished
+    # answer excluded
     seconds: float = 0.0
     rows_per_layer: list[int] = field(default_factory=list)  # token rows computed per layer (batch summed)
     cache_bytes: int = 0  # bytes held by the K/V store
