@@ -125,7 +125,8 @@ def samplers_table(model, tok, out: Path, args) -> list[str]:
         fam = " | ".join(f"{100 * groups[f]:.1f}" if f in groups else "-" for f in FAMILIES)
         lines.append(f"| {name} | {cache} | {accuracy:.1f} | {fam} | {s['nfe_mean']:.1f} | {s['tpf']:.2f} | "
                      f"{aup([(s['tpf'], accuracy)]):.0f} | {s['tokens_per_second']:.0f} |")
-    if args.plot and not plot_samplers(points, f"{args.model}: every sampler at its defaults", args.plot):
+    title = f"{args.model}: every sampler at its defaults ({args.limit or 'all'} items, cache {args.cache})"
+    if args.plot and not plot_samplers(points, title, args.plot):
         lines.append("(plot not drawn: matplotlib is missing; pip install 'dllm-fast[plot]')")
     return lines + [""]
 
@@ -138,10 +139,14 @@ def plot_samplers(points: list[tuple[str, float, float]], title: str, path: str)
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8, 5))
     ax.scatter([p[1] for p in points], [p[2] for p in points], color="tab:blue")
-    for i, (name, tpf, accuracy) in enumerate(sorted(points, key=lambda p: p[1])):
-        ax.annotate(name, (tpf, accuracy), fontsize=7, xytext=(3, 4 if i % 2 == 0 else -10), textcoords="offset points")
+    spots: dict[tuple[float, float], list[str]] = {}  # samplers on one spot share a label
+    for name, tpf, accuracy in points:
+        spots.setdefault((round(tpf, 2), round(accuracy, 1)), []).append(name)
+    for i, ((tpf, accuracy), names) in enumerate(sorted(spots.items())):
+        ax.annotate(",\n".join(names), (tpf, accuracy), fontsize=6, xytext=(4, 4 if i % 2 == 0 else -12),
+                    textcoords="offset points")
     ax.set_xscale("log")
     ax.margins(x=0.1, y=0.1)
     ax.set_xlabel("tokens per forward (log)")
