@@ -33,7 +33,8 @@ DRAFT_STEPS = {"llada": 4, "dream": 8}  # FreeDave's K per model family
 @register("speculative")
 @dataclass
 class Speculative(Sampler):
-    """Lossless self-speculative decoding (FreeDave / SSD linear chain): stepwise output in fewer forwards.
+    """Lossless self-speculative decoding (FreeDave arXiv 2510.00294 / SSD linear chain): stepwise output in fewer
+    forwards.
 
     At temperature 0 its output is one-token-per-step low_confidence decoding's (with `threshold`: threshold
     decoding's; with `force_first`: theirs after each block's forced first token, FreeDave's static reference), in
