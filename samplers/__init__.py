@@ -11,6 +11,6 @@ from .base import Commit, Sampler, StepContext, scoring_without, stack_rows
 SAMPLERS = Registry("sampler", Sampler)
 register = SAMPLERS.register
 
-from . import llada, fastdllm, dream, research, speculative, block_diffusion, indel, entropy_bound  # noqa: E402,F401,I001  (registers the built-in samplers, in order)
+from . import llada, fastdllm, dream, research, speculative, block_diffusion, indel, entropy_bound, certainty_prior  # noqa: E402,F401,I001  (registers the built-in samplers, in order)
 
 __all__ = ["SAMPLERS", "Commit", "Sampler", "StepContext", "register", "scoring_without", "stack_rows"]
