@@ -19,6 +19,7 @@ from dllm.engine.text import encode_prompts
 from dllm.models.transformer import head
 
 PROMPTS = ["reverse: abc12", "sort: 42,07,19,03", "add: 0457+0168", "copy: k3x9a"]
+HARD = PROMPTS[1:3]  # the longest answers: most decisions per decode
 
 
 @pytest.fixture(scope="module", params=["tiny-llada", "tiny-dream"])
@@ -203,7 +204,7 @@ def test_certainty_density_is_the_fft_of_the_formula():
 def test_certainty_prior_decoding_equals_the_transcription(tiny, sigma):
     """Configurations (a) and (b): G 32 = B, top-1 by confidence x density, no cache."""
     model, tok = tiny
-    for prompt in PROMPTS:
+    for prompt in PROMPTS if sigma == 10.0 else HARD:
         ids = encode_prompts(tok, [prompt], chat=True)[0]
         want, forwards, _ = reference_generate(model, ids, 32, 32, sigma)
         got, nfe, _, _ = ours(model, tok, prompt, 32, 32, sigma)
@@ -218,7 +219,7 @@ def test_certainty_prior_decoding_equals_the_transcription(tiny, sigma):
 def test_d2cache_equals_the_transcription(tiny, gen, block, args):
     """Same tokens, same forwards, same rows computed at every forward."""
     model, tok = tiny
-    for prompt in PROMPTS:
+    for prompt in HARD:
         ids = encode_prompts(tok, [prompt], chat=True)[0]
         cache = ReferenceD2Cache(args["current_k"], args["rollout_p"], args["sigma"], args["inflate_w"])
         want = reference_generate(model, ids, gen, block, args["sigma"], cache)
@@ -243,7 +244,7 @@ def test_confidences_stay_the_first_forwards_unless_refreshed():
     assert torch.allclose(kept, logits.softmax(-1).amax(-1), atol=1e-6)
 
     differ = 0
-    for prompt in PROMPTS:
+    for prompt in HARD:
         ids = encode_prompts(tok, [prompt], chat=True)[0]
         cache = ReferenceD2Cache(4, 0.1, 10.0, 0, update_confidence=True)
         want = reference_generate(model, ids, 32, 32, 10.0, cache)
@@ -255,6 +256,64 @@ def test_confidences_stay_the_first_forwards_unless_refreshed():
 
 def policy_store(policy):
     return policy.kept
+
+
+def test_padded_rows_decode_as_alone_without_top_up(tiny):
+    """Each row's rows come from its own confidences, density and rollout: with `top_up=False` a left-padded batch
+    gives each prompt's tokens alone, forward for forward."""
+    model, tok = tiny
+    ids = encode_prompts(tok, PROMPTS, chat=True)
+    assert len({len(i) for i in ids}) > 1
+    args = dict(current_k=4, top_up=False)
+    assert not caches.CACHES.create("d2cache", **args).rows_coupled
+    sampler = samplers.SAMPLERS.create("certainty_prior")
+    batch, stats, _ = decode(model, ids, sampler, caches.CACHES.create("d2cache", **args), 32, 32, stop_early=False)
+    for row, prompt in enumerate(ids):
+        alone, alone_stats, _ = decode(model, [prompt], sampler, caches.CACHES.create("d2cache", **args), 32, 32,
+                                       stop_early=False)
+        assert batch.tokens[row, batch.prompt_length:].tolist() == alone.tokens[0, alone.prompt_length:].tolist()
+        assert alone_stats.nfe == stats.nfe
+
+
+def test_top_up_gives_every_row_as_many_rows():
+    """The authors' batching: every row of a batch computes as many rows at each forward (none padded), so the rows
+    are coupled (`dllm serve` decodes such a request alone); without it the counts differ."""
+    model, tok = dllm.load("tiny-llada")
+    ids = encode_prompts(tok, PROMPTS, chat=True)
+    for top_up in (True, False):
+        policy = caches.CACHES.create("d2cache", current_k=4, top_up=top_up)
+        assert policy.rows_coupled is top_up
+        plans, plan = [], policy.plan
+        policy.plan = lambda kv, request: plans.append(plan(kv, request)) or plans[-1]
+        decode(model, ids, samplers.SAMPLERS.create("certainty_prior"), policy, 32, 32, stop_early=False)
+        ragged = [not bool(rows.valid.all()) for rows in plans[1:]]
+        assert not any(ragged) if top_up else any(ragged)
+
+
+def test_what_cannot_decode_with_d2cache_is_refused():
+    model, tok = dllm.load("tiny-llada")
+    with pytest.raises(DllmError, match="cache 'd2cache' chooses a row's recomputed rows from the model's attention "
+                                        "and predictions, which cfg_scale splits"):
+        dllm.generate(model, tok, PROMPTS[:1], cache="d2cache", cfg_scale=1.0)
+    with pytest.raises(DllmError, match="cache 'd2cache' chooses its rows token by token and runs eagerly"):
+        dllm.generate(model, tok, PROMPTS[:1], cache="d2cache", compile=True)
+    with pytest.raises(DllmError, match="sampler 'speculative' verifies drafts, which cache 'd2cache' cannot do"):
+        dllm.generate(model, tok, PROMPTS[:1], sampler="speculative", cache="d2cache")
+    with pytest.raises(DllmError, match="sampler 'certainty_prior' parameter sigma=0.0 is out of range"):
+        dllm.generate(model, tok, PROMPTS[:1], sampler="certainty_prior", sigma=0.0)
+    sdar, sdar_tok = random_model("sdar-tiny"), dllm.load("random:sdar-tiny")[1]
+    with pytest.raises(DllmError, match="cache 'd2cache' chooses rows for full attention"):
+        dllm.generate(sdar, sdar_tok, PROMPTS[:1], cache="d2cache")
+
+
+def test_d2cache_store_counts_its_bytes():
+    """K/V of every layer, the rollout and the confidences; the attention probabilities of the computed rows are
+    made per layer and not kept."""
+    model, tok = dllm.load("tiny-dream")
+    out = dllm.generate(model, tok, PROMPTS[:1], cache="d2cache", gen_length=32, block_length=32)
+    cfg, length = model.config, len(encode_prompts(tok, PROMPTS[:1], chat=True)[0]) + 32
+    kv = cfg.n_layers * 2 * length * cfg.n_kv_heads * cfg.head_dim * 4
+    assert out.stats.cache_bytes == kv + (length * length + length) * 4
 
 
 @pytest.fixture(autouse=True)

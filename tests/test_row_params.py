@@ -22,7 +22,8 @@ OTHER = {"temperature": 0.7, "threshold": 0.1, "factor": 3.0, "top_p": 0.9, "top
          "alpha": 1.5, "beta": 0.3, "gamma": 0.7, "relaxed_threshold": 0.05, "radius": 1, "early_threshold": 0.5,
          "mid_threshold": 0.3, "late_threshold": 0.1, "early_bound": 0.1, "late_bound": 0.5, "draft_steps": 2,
          "bound": 3.0, "sub_block": 3, "edit_threshold": 0.2, "edit_steps": 2, "delimiter_threshold": 0.2,
-         "max_post_edit_steps": 1, "t_max": 1.2, "t_min": 0.3, "stability": 2, "confidence": 100.0}
+         "max_post_edit_steps": 1, "t_max": 1.2, "t_min": 0.3, "stability": 2, "confidence": 100.0,
+         "sigma": 2.0}
 # settings every row shares: Prophet exits early (on the threshold rule), AdaBlock keeps fixed blocks (rows of one
 # batch share block ends, so only then is each row its prompt alone)
 SHARED = {"prophet": {"answer_start": 2, "base": "threshold"}, "adablock": {"delimiter_ids": "7",
