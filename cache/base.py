@@ -219,6 +219,8 @@ class Cache(Params):
     verifies_drafts: ClassVar[bool] = False  # True when the store is its only per-step state (`fork`/`adopt`)
     needs_next_commits: ClassVar[bool] = False  # `plan` needs the next step's commits before its forward
     compiles: ClassVar[bool] = False  # its rows are always slices, so the forward can run compiled
+    covers_window: ClassVar[bool] = False  # every forward computes the rows that predict the sampler's whole window
+    # (none of its positions left without a prediction), so a sampler may read decoded positions' logits
     block_causal_only: ClassVar[bool] = False  # exact only when blocks never attend to later ones (SDAR, Nemotron)
     rows_coupled: ClassVar[bool] = False  # a row's refresh depends on its batch neighbours (so padded != alone)
     reads_model_outputs: ClassVar[bool] = False  # plans from the model's attention and predictions (d2Cache)

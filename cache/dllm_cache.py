@@ -16,6 +16,7 @@ each with its own features."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,8 @@ class DllmCache(Cache):
     """dLLM-Cache: reuse each layer's attention and feed-forward outputs; refresh prompt and answer at intervals.
 
     In between, each layer recomputes the answer rows whose values moved most (V-verify). Kp = Kr = 1 is no cache."""
+
+    covers_window: ClassVar[bool] = True  # every row's hidden state goes through every layer
 
     prompt_interval: int = param(100, "Kp: compute the prompt rows every Kp forwards (the authors' demo: 100)", ge=1)
     response_interval: int = param(7, "Kr: compute every answer row every Kr forwards (the authors' demo: 7)", ge=1)

@@ -299,6 +299,9 @@ def test_what_cannot_decode_with_d2cache_is_refused():
         dllm.generate(model, tok, PROMPTS[:1], cache="d2cache", compile=True)
     with pytest.raises(DllmError, match="sampler 'speculative' verifies drafts, which cache 'd2cache' cannot do"):
         dllm.generate(model, tok, PROMPTS[:1], sampler="speculative", cache="d2cache")
+    with pytest.raises(DllmError, match="sampler 'prophet' reads the logits of decoded tokens, which cache "
+                                        "'d2cache' does not compute"):
+        dllm.generate(model, tok, PROMPTS[:1], sampler="prophet", answer_start=5, cache="d2cache")
     with pytest.raises(DllmError, match="sampler 'certainty_prior' parameter sigma=0.0 is out of range"):
         dllm.generate(model, tok, PROMPTS[:1], sampler="certainty_prior", sigma=0.0)
     sdar, sdar_tok = random_model("sdar-tiny"), dllm.load("random:sdar-tiny")[1]

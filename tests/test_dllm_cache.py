@@ -237,6 +237,18 @@ def test_verifying_every_answer_row_is_refreshing_the_answer(tiny):
     assert every == refreshed
 
 
+def test_prophet_reads_the_answer_region_over_it():
+    """Every row goes through every layer, so every position has its prediction: Prophet's gap over the answer
+    region (decoded positions too) runs, and refreshed every forward it decodes as without a cache."""
+    model, tok = dllm.load("tiny-llada")
+    args = dict(sampler="prophet", answer_start=5, gen_length=32, block_length=32, stop_early=False)
+    plain = dllm.generate(model, tok, PROMPTS, **args)
+    cached = dllm.generate(model, tok, PROMPTS, cache="dllm_cache",
+                           cache_args=dict(prompt_interval=1, response_interval=1), **args)
+    assert cached.token_ids == plain.token_ids and cached.stats.nfe == plain.stats.nfe < 32
+    dllm.generate(model, tok, PROMPTS, cache="dllm_cache", **args)
+
+
 def test_padded_rows_decode_as_alone(tiny):
     """V-verify picks each row's rows from its own values: a left-padded batch gives each prompt's tokens alone."""
     model, tok = tiny

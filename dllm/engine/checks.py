@@ -71,7 +71,7 @@ def check_policies(model: DiffusionLM, sampler: Sampler, cache: Cache, compile: 
     if sampler.drafts and getattr(cache, "refresh_every", 0):
         raise DllmError(f"sampler {sampler.name!r} verifies drafts inside a block between cache refreshes; use "
                         f"cache {cache.name!r} with refresh_every=0")
-    if sampler.reads_decoded_logits and not cache.compiles:  # a cache computing slices covers the whole window
+    if sampler.reads_decoded_logits and not cache.covers_window:
         raise DllmError(f"sampler {sampler.name!r} reads the logits of decoded tokens, which cache {cache.name!r} does "
                         f"not compute; use cache none, prefix or dual")
     if cache.block_causal_only and not cfg.decoded_keys_fixed:
