@@ -138,9 +138,10 @@ def top_up(rows: Tensor, importance: Tensor, scores: Tensor, real: Tensor) -> No
     ranked = torch.where(rows | ~real, float("-inf"), importance)
     answer = ranked[:, -scores.shape[1]:]
     ranked[:, -scores.shape[1]:] = answer + (ranked.max() + scores)
-    extra = ranked.topk(target - int(count.min()), dim=1).indices
-    wanted = torch.arange(extra.shape[1], device=rows.device) < (target - count)[:, None]
-    rows.scatter_(1, extra, wanted | rows.gather(1, extra))
+    best = ranked.topk(target - int(count.min()), dim=1)
+    wanted = (torch.arange(best.indices.shape[1], device=rows.device) < (target - count)[:, None]) & \
+        (best.values > float("-inf"))  # never a padding row
+    rows.scatter_(1, best.indices, wanted | rows.gather(1, best.indices))
 
 
 class D2Store(KVStore):

@@ -181,6 +181,17 @@ def ours(model, tok, prompt, gen_length, block_length, prior, cache="none", **ca
             [step["rows_per_layer"][0] for step in trace], policy)
 
 
+@pytest.fixture(autouse=True)
+def _keep_stores(monkeypatch):
+    """Every d2cache made in a test keeps its last store in `.kept`."""
+    make = caches.CACHES.get("d2cache").new_kv
+
+    def new_kv(self, *args, **kwargs):
+        self.kept = make(self, *args, **kwargs)
+        return self.kept
+    monkeypatch.setattr(caches.CACHES.get("d2cache"), "new_kv", new_kv)
+
+
 # ---- tests ---------------------------------------------------------------------------------------------------------
 
 def test_certainty_density_is_the_fft_of_the_formula():
@@ -240,7 +251,7 @@ def test_confidences_stay_the_first_forwards_unless_refreshed():
     with torch.no_grad():
         logits = model(canvas)[0, len(ids):]
     logits[:, model.config.mask_id] = -torch.inf
-    kept = policy_store(policy).confidence[0, len(ids):]
+    kept = policy.kept.confidence[0, len(ids):]
     assert torch.allclose(kept, logits.softmax(-1).amax(-1), atol=1e-6)
 
     differ = 0
@@ -252,10 +263,6 @@ def test_confidences_stay_the_first_forwards_unless_refreshed():
         assert got == want, prompt
         differ += got != ours(model, tok, prompt, 32, 32, 10.0, "d2cache", **args)[:3]
     assert differ  # the flag changes what is decoded
-
-
-def policy_store(policy):
-    return policy.kept
 
 
 def test_padded_rows_decode_as_alone_without_top_up(tiny):
@@ -317,14 +324,3 @@ def test_d2cache_store_counts_its_bytes():
     cfg, length = model.config, len(encode_prompts(tok, PROMPTS[:1], chat=True)[0]) + 32
     kv = cfg.n_layers * 2 * length * cfg.n_kv_heads * cfg.head_dim * 4
     assert out.stats.cache_bytes == kv + (length * length + length) * 4
-
-
-@pytest.fixture(autouse=True)
-def _keep_stores(monkeypatch):
-    """Every d2cache made in a test keeps its last store in `.kept`."""
-    make = caches.CACHES.get("d2cache").new_kv
-
-    def new_kv(self, *args, **kwargs):
-        self.kept = make(self, *args, **kwargs)
-        return self.kept
-    monkeypatch.setattr(caches.CACHES.get("d2cache"), "new_kv", new_kv)

@@ -218,13 +218,16 @@ def test_dllm_cache_equals_the_transcription(tiny, gen, block, steps, kp, kr, ra
 
 
 def test_refreshing_every_forward_is_no_cache(tiny):
-    """Kp = Kr = 1: every forward computes every row at every layer; the same tokens as no cache, batched."""
+    """Kp = Kr = 1: every forward computes every row at every layer; the same tokens as no cache, batched. The
+    store holds K/V and both branch outputs of every row at every layer."""
     model, tok = tiny
     ids = encode_prompts(tok, PROMPTS, chat=True)
     want, plain, _ = ours(model, ids, 32, 8, 32, "none")
     got, stats, _ = ours(model, ids, 32, 8, 32, prompt_interval=1, response_interval=1)
     assert got == want and stats.nfe == stats.full_forwards == plain.nfe
     assert stats.rows_per_layer == plain.rows_per_layer
+    cfg, rows = model.config, len(ids) * (max(map(len, ids)) + 32)
+    assert stats.cache_bytes == cfg.n_layers * rows * (2 * cfg.n_kv_heads * cfg.head_dim + 2 * cfg.hidden_size) * 4
 
 
 def test_verifying_every_answer_row_is_refreshing_the_answer(tiny):

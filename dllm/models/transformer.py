@@ -478,16 +478,17 @@ class DiffusionLM(Network):
             through = None if kv is None else kv.layer_rows(i, rows, x)
             if through is None:
                 x = layer(x, cos, sin, key_mask, kv, rows, i)
-            else:
-                x = kv.layer_output(i, through, x, *self.branches(i, x, through, positions, key_mask, kv, rows))
+            else:  # the cache's choice of rows, the other rows' outputs from the cache
+                branches = self.layer_branches(i, x, through, positions, key_mask, kv, rows)
+                x = kv.layer_output(i, through, x, *branches)
         if kv is not None:
             kv.observe_output(rows, x)
         if logit_rows is not None:
             x = x.gather(1, logit_rows[..., None].expand(-1, -1, x.shape[-1]))
         return head(self.norm(x), self.lm_head.weight)
 
-    def branches(self, layer: int, x: Tensor, through: Tensor, positions: Tensor, key_mask: Tensor | None,
-                 kv: KVAccess, rows: Rows) -> tuple[Tensor, Tensor]:
+    def layer_branches(self, layer: int, x: Tensor, through: Tensor, positions: Tensor, key_mask: Tensor | None,
+                       kv: KVAccess, rows: Rows) -> tuple[Tensor, Tensor]:
         """Layer `layer`'s attention-branch and feed-forward-branch outputs `[B, S, d]` of the rows `through`
         (`[B, S]` indices into the active rows `x`, `positions`) alone, against the cache's keys and values."""
         if not through.shape[1]:
