@@ -68,9 +68,7 @@ class D2Cache(Cache):
 
     def plan(self, kv: "D2Store", plan) -> Rows:
         """Every row at the first forward; then the rows chosen after the last step (module docstring)."""
-        block = kv.block or (plan.start, plan.end)  # the block of the step that ended
-        kv.block, kv.masked, kv.gen_start, kv.shift = (plan.start, plan.end), plan.masked, plan.canvas.prompt_length, \
-            plan.shift
+        block = kv.start(plan)
         if plan.decoded is None:
             return Rows(slice(0, plan.masked.shape[1]))
         start, length = plan.canvas.prompt_length, plan.masked.shape[1]
@@ -155,6 +153,14 @@ class D2Store(KVStore):
         self.confidence = torch.zeros(batch, length, device=model.device)
         self.block: tuple[int, int] | None = None
         self.first = True  # the next forward is the first
+
+    def start(self, plan) -> tuple[int, int]:
+        """Note the forward `plan` (a `PlanContext`) describes; returns the block of the step that ended (at the
+        first forward, this one's): the authors plan at the end of a step, with its block."""
+        block = self.block or (plan.start, plan.end)
+        self.block, self.masked, self.shift = (plan.start, plan.end), plan.masked, plan.shift
+        self.gen_start = plan.canvas.prompt_length
+        return block
 
     def attention_rows(self, layer: int, rows: Rows) -> Tensor:
         """Every computed row."""
