@@ -10,7 +10,7 @@ from .base import Cache, KVStore, PassThrough, PlanContext, gather_rows, row_slo
 CACHES = Registry("cache", Cache)
 register = CACHES.register
 
-from . import blockwise, dkv, elastic  # noqa: E402,F401,I001  (registers none/prefix/dual, dkv/dkv_greedy, elastic)
+from . import blockwise, dkv, elastic, d2cache, dllm_cache  # noqa: E402,F401,I001  (registers the built-in caches)
 from .prefix_blocks import PrefixBlocks  # noqa: E402
 
 __all__ = ["CACHES", "Cache", "KVStore", "PassThrough", "PlanContext", "PrefixBlocks", "gather_rows", "register",

@@ -78,9 +78,9 @@ def zeros(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.devic
 
 
 class PassThrough:
-    """No storage: the active rows are the only keys. Its no-op `expand`, `attention_rows` and
-    `observe_attention` are the hooks a cache overrides (see `dllm.models.KVAccess`). `rows_per_layer` counts
-    the rows computed per layer (batch summed), told by the loop through `count`."""
+    """No storage: the active rows are the only keys. Its no-op `expand`, `attention_rows`, `observe_attention`,
+    `layer_rows` and `observe_output` are the hooks a cache overrides (see `dllm.models.KVAccess`).
+    `rows_per_layer` counts the rows computed per layer (batch summed), told by the loop through `count`."""
 
     def __init__(self, n_layers: int):
         self.rows_per_layer = [0] * n_layers
@@ -100,6 +100,12 @@ class PassThrough:
         return None
 
     def observe_attention(self, layer: int, rows: Rows, probs: Tensor) -> None:
+        pass
+
+    def layer_rows(self, layer: int, rows: Rows, x: Tensor) -> Tensor | None:
+        return None
+
+    def observe_output(self, rows: Rows, x: Tensor) -> None:
         pass
 
     @property
@@ -215,8 +221,11 @@ class Cache(Params):
     verifies_drafts: ClassVar[bool] = False  # True when the store is its only per-step state (`fork`/`adopt`)
     needs_next_commits: ClassVar[bool] = False  # `plan` needs the next step's commits before its forward
     compiles: ClassVar[bool] = False  # its rows are always slices, so the forward can run compiled
+    covers_window: ClassVar[bool] = False  # every forward computes the rows that predict the sampler's whole window
+    # (none of its positions left without a prediction), so a sampler may read decoded positions' logits
     block_causal_only: ClassVar[bool] = False  # exact only when blocks never attend to later ones (SDAR, Nemotron)
     rows_coupled: ClassVar[bool] = False  # a row's refresh depends on its batch neighbours (so padded != alone)
+    reads_model_outputs: ClassVar[bool] = False  # plans from the model's attention and predictions (d2Cache)
     block_fresh: ClassVar[bool] = False  # recomputes every row at each block start: nothing in the store outlives
     # a block, so a batch can be laid out anew between blocks (rows joining and leaving, `dllm serve`)
     keeps_final_blocks: ClassVar[bool] = False  # its store's `final`: the columns before it hold final keys and

@@ -28,6 +28,7 @@ class NoCache(Cache):
     stores_kv: ClassVar[bool] = False
     verifies_drafts: ClassVar[bool] = True
     compiles: ClassVar[bool] = True
+    covers_window: ClassVar[bool] = True
     block_fresh: ClassVar[bool] = True
 
     def active_rows(self, step, start, end, length, shift):
@@ -38,6 +39,7 @@ class NoCache(Cache):
 class _Refreshing(Cache):
     verifies_drafts: ClassVar[bool] = True
     compiles: ClassVar[bool] = True
+    covers_window: ClassVar[bool] = True
     block_fresh: ClassVar[bool] = True
     refresh_every: int = param(0, "also recompute everything every k steps inside a block (0: block start only)", ge=0)
 
@@ -75,6 +77,7 @@ class BlockCache(Cache):
     scores the block's first token). Equal to recomputing everything every step."""
 
     compiles: ClassVar[bool] = True
+    covers_window: ClassVar[bool] = True
     verifies_drafts: ClassVar[bool] = True  # past step 0 its only state is the store (`final` is set at step 0)
     block_fresh: ClassVar[bool] = True  # a fresh store at a block start recomputes what it needs
     block_causal_only: ClassVar[bool] = True

@@ -13,6 +13,7 @@ register = SAMPLERS.register
 
 # registers the built-in samplers, in order
 from . import (llada, fastdllm, dream, credit, localleap, prophet, adablock, hierarchy, speculative,  # noqa: E402,F401,I001
-               block_diffusion, indel, entropy_bound, eb_sampler, dus, klass, pc_sampler, wino)
+               block_diffusion, indel, entropy_bound, eb_sampler, dus, klass, pc_sampler, wino,
+               certainty_prior)
 
 __all__ = ["SAMPLERS", "Commit", "ExtraRows", "Sampler", "StepContext", "register", "scoring_without", "stack_rows"]

@@ -38,7 +38,8 @@ def sampler_points() -> list[tuple[str, dict]]:
 
 CACHE_POINTS = [("none", "threshold", "none"), ("prefix", "threshold", "prefix"), ("dual", "threshold", "dual"),
                 ("dkv", "threshold", "dkv"), ("dkv_greedy (random sampler)", "random", "dkv_greedy"),
-                ("elastic", "threshold", "elastic"), ("block", "threshold", "block")]  # block: block-causal models
+                ("elastic", "threshold", "elastic"), ("d2cache", "threshold", "d2cache"),
+                ("dllm_cache", "threshold", "dllm_cache"), ("block", "threshold", "block")]  # block: block-causal models
 
 # (name, dllm.load's dtype, quantize): int4 runs in bfloat16, so bfloat16 alone is its baseline
 QUANTIZED_POINTS = [("float32", "float32", None), ("int8", "float32", "int8"),

@@ -308,7 +308,7 @@ SAMPLER_ARGS = {"adablock": {"delimiter_ids": ",".join(map(str, range(0, 120, 3)
                 "threshold": {"threshold": 0.5}, "pc_sampler": PC_TABLE}
 
 
-@pytest.mark.parametrize("cache", ["dkv", "dkv_greedy", "elastic"])
+@pytest.mark.parametrize("cache", ["dkv", "dkv_greedy", "elastic", "d2cache", "dllm_cache"])
 def test_every_sampler_runs_over_the_cache(any_model, cache):
     model = any_model
     for cls in samplers.SAMPLERS:

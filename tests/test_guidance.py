@@ -98,6 +98,7 @@ def test_options_are_token_identical_to_llada_generate(eos_heavy, options, gen_l
     ("low_confidence", "prefix", dict(refresh_every=1)),  # refreshed every step: exactly no cache
     ("low_confidence", "dual", dict(refresh_every=1)),
     ("low_confidence", "dkv", dict(refresh_every=1)),
+    ("low_confidence", "dllm_cache", dict(prompt_interval=1, response_interval=1)),
     ("speculative", "dual", {}),  # lossless: its drafts verified with guidance too
 ])
 def test_guided_caches_keep_the_unconditional_rows_keys_and_values_apart(tiny, sampler, cache, args):

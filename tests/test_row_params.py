@@ -25,7 +25,7 @@ OTHER = {"temperature": 0.7, "threshold": 0.1, "factor": 3.0, "top_p": 0.9, "top
          "max_post_edit_steps": 1, "t_max": 1.2, "t_min": 0.3, "stability": 2, "confidence": 100.0,
          "base": 3, "skip": 2, "kl_threshold": 0.05, "history_length": 3, "position_decay": 1.0,
          "clip": 0.05, "low_threshold": 0.05,
-         "remask_threshold": 0.05}
+         "remask_threshold": 0.05, "sigma": 2.0}
 # settings every row shares: Prophet exits early (on the threshold rule), AdaBlock keeps fixed blocks (rows of one
 # batch share block ends, so only then is each row its prompt alone), PC-Sampler's table (a random model has no
 # directory), KLASS's thresholds within a random model's reach

@@ -90,6 +90,7 @@ def bench(model, sampler, cache, gen_length: int, block_length: int, steps: int 
         "forwards_by_kind": {kind: len(times) for kind, times in profiled.forward_seconds.items()},
         "rows_per_token": rows / stats.gen_tokens,  # canvas rows computed per layer per generated token
         "rows_vs_no_cache": rows / (stats.nfe * batch_size * length),  # ... relative to recomputing every row
+        "rows_per_layer": stats.rows_per_layer,  # rows computed at each layer, batch summed (dLLM-Cache: unequal)
         "cache_mb": stats.cache_bytes / 2**20,
         "weight_mb": described["weight_bytes"] / 2**20,
         "peak_mb": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda"

@@ -78,7 +78,7 @@ def check_policies(model: DiffusionLM, sampler: Sampler, cache: Cache, compile: 
     if sampler.adds_rows and not isinstance(model, DiffusionLM):
         raise DllmError(f"sampler {sampler.name!r} computes extra rows beside the canvas rows, which the {cfg.arch} "
                         f"network does not take; use another sampler")
-    if sampler.reads_decoded_logits and not cache.compiles:  # a cache computing slices covers the whole window
+    if sampler.reads_decoded_logits and not cache.covers_window:
         raise DllmError(f"sampler {sampler.name!r} reads the logits of decoded tokens, which cache {cache.name!r} does "
                         f"not compute; use cache none, prefix or dual")
     if cache.block_causal_only and not cfg.decoded_keys_fixed:
@@ -121,6 +121,10 @@ def check_guidance(model: DiffusionLM, sampler: Sampler, cache: Cache, guidance:
     if guidance.guided and model.config.mask_id is None:
         raise DllmError("cfg_scale masks the prompt for the unconditional copy, and this is a uniform-state model "
                         "(no mask token); use cfg_scale=0")
+    if guidance.guided and cache.reads_model_outputs:
+        raise DllmError(f"cache {cache.name!r} chooses a row's recomputed rows from the model's attention and "
+                        f"predictions, which cfg_scale splits between the row and its unconditional copy; use cache "
+                        f"none, prefix, dual, dkv, dkv_greedy or dllm_cache, or cfg_scale=0")
     if guidance.guided and cache.rows_coupled:
         raise DllmError(f"cache {cache.name!r} refreshes every row of a batch where any row drifts, so with cfg_scale "
                         f"the unconditional copies would steer the guided rows' refreshes; use cache none, prefix, "

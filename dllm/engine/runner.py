@@ -111,9 +111,9 @@ class Runner:
         self.guidance.ban(logits, cfg)
         computed = rows.index.shape[-1] if not rows.is_slice else len(range(length)[rows.index])
         counter = self.kv  # drafts' forwards on a fork count into the generation's store
-        before = counter.rows_per_layer[0]
+        before = list(counter.rows_per_layer)
         counter.count(tokens.shape[0] * computed, tokens.shape[0] * length)
-        full = counter.rows_per_layer[0] - before == tokens.shape[0] * length  # layer 0 computed every row
+        full = all(now - then == tokens.shape[0] * length for now, then in zip(counter.rows_per_layer, before))
         if extra is not None:
             counter.count(tokens.shape[0] * extra.tokens.shape[1], 0)
         if self.profile:

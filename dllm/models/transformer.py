@@ -149,6 +149,12 @@ class KVAccess(Protocol):
       of the active rows, returns the keys/values the queries attend to (`[B, Hkv, Lk, D]`).
     - `attention_rows(layer, rows)`: indices into the active rows whose attention probabilities the cache
       wants, delivered to `observe_attention(layer, rows, probs [B, H, R, Lk])`; None for none.
+    - `layer_rows(layer, rows, x)`: sees the layer input of the active rows; returns the `[B, S]` indices into
+      them of the rows that go through this layer (dLLM-Cache), or None: all of them, as one layer. Given
+      indices, the layer computes those rows alone and hands their attention-branch and feed-forward-branch
+      outputs `[B, S, d]` to `layer_output(layer, through, x, attended, fed)`, which returns every active row's
+      layer output (the cache supplies the other rows' branch outputs).
+    - `observe_output(rows, x)`: sees the last layer's output of the active rows (d2Cache's confidences).
     """
 
     def expand(self, layer: int, rows: Rows, x: Tensor) -> tuple[Tensor, Tensor] | None: ...
@@ -158,6 +164,12 @@ class KVAccess(Protocol):
     def attention_rows(self, layer: int, rows: Rows) -> Tensor | None: ...
 
     def observe_attention(self, layer: int, rows: Rows, probs: Tensor) -> None: ...
+
+    def layer_rows(self, layer: int, rows: Rows, x: Tensor) -> Tensor | None: ...
+
+    def layer_output(self, layer: int, through: Tensor, x: Tensor, attended: Tensor, fed: Tensor) -> Tensor: ...
+
+    def observe_output(self, rows: Rows, x: Tensor) -> None: ...
 
 
 class RMSNorm(nn.Module):
@@ -308,6 +320,12 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, key_mask: Tensor | None,
                 kv: KVAccess | None, rows: Rows, layer: int) -> Tensor:
+        return self.output_and_mlp(x, self.attend(x, cos, sin, key_mask, kv, rows, layer))
+
+    def attend(self, x: Tensor, cos: Tensor, sin: Tensor, key_mask: Tensor | None, kv: KVAccess | None, rows: Rows,
+               layer: int) -> Tensor:
+        """The attention `[B, H, A, D]` of the rows `x` over the keys and values the cache returns (theirs alone
+        without a cache)."""
         qk, v = self.attention_inputs(x, cos, sin)
         q, k = qk.split((self.n_heads, self.n_kv_heads), 1)
         if kv is not None:
@@ -315,8 +333,7 @@ class Block(nn.Module):
             probe = kv.attention_rows(layer, rows)
             if probe is not None:
                 kv.observe_attention(layer, rows, self.attention_probs(q, k, key_mask, probe))
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, enable_gqa=self.n_heads != self.n_kv_heads)
-        return self.output_and_mlp(x, o)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, enable_gqa=self.n_heads != self.n_kv_heads)
 
     @torch.compiler.nested_compile_region
     def attention_inputs(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
@@ -337,12 +354,33 @@ class Block(nn.Module):
     @torch.compiler.nested_compile_region
     def output_and_mlp(self, x: Tensor, o: Tensor) -> Tensor:
         """The attention output `o` `[B, H, A, D]` projected into the residual stream, then the feed-forward."""
-        x = x + self.o_proj(o.transpose(1, 2).flatten(2))
+        x = x + self.attention_output(o)
+        return x + self.feed_forward(x)
+
+    def branches(self, x: Tensor, o: Tensor) -> tuple[Tensor, Tensor]:
+        """What `output_and_mlp` adds to `x`, kept apart: the attention branch's output and the feed-forward
+        branch's output on the residual after it, `[B, A, d]` each."""
+        attended = self.attention_output(o)
+        return attended, self.feed_forward(x + attended)
+
+    def attention_output(self, o: Tensor) -> Tensor:
+        return self.o_proj(o.transpose(1, 2).flatten(2))
+
+    def feed_forward(self, x: Tensor) -> Tensor:
         h = self.mlp_norm(x)
         if hasattr(self, "moe"):
-            return x + self.moe(h)
+            return self.moe(h)
         gate, up = fused_linear(h, self.gate_up_proj, self.gate_up_sizes)
-        return x + self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate) * up)
+
+    def values(self, x: Tensor) -> Tensor:
+        """The values `[B, Hkv, A, D]` of the rows `x` alone (dLLM-Cache's V-verify)."""
+        h, proj, start = self.attn_norm(x), self.qkv_proj, self.qk_v_sizes[0]
+        if is_quantized(proj.weight):
+            v = fused_linear(h, proj, self.qk_v_sizes)[1]
+        else:  # the value rows of the fused weight only (what `fused_linear` computes for them on a CPU)
+            v = F.linear(h, proj.weight[start:], None if proj.bias is None else proj.bias[start:])
+        return v.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
 
     def attention_probs(self, q: Tensor, k: Tensor, key_mask: Tensor | None, probe: Tensor) -> Tensor:
         """Softmax attention of the query rows `probe` `[B, R]` (fp32), `[B, H, R, Lk]`."""
@@ -437,10 +475,32 @@ class DiffusionLM(Network):
                 if logit_rows is not None:
                     logit_rows = canvas_index(rows, logit_rows)
                 rows = Rows(slice(0, x.shape[1]))
-            x = layer(x, cos, sin, key_mask, kv, rows, i)
+            through = None if kv is None else kv.layer_rows(i, rows, x)
+            if through is None:
+                x = layer(x, cos, sin, key_mask, kv, rows, i)
+            else:  # the cache's choice of rows, the other rows' outputs from the cache
+                branches = self.layer_branches(i, x, through, positions, key_mask, kv, rows)
+                x = kv.layer_output(i, through, x, *branches)
+        if kv is not None:
+            kv.observe_output(rows, x)
         if logit_rows is not None:
             x = x.gather(1, logit_rows[..., None].expand(-1, -1, x.shape[-1]))
         return head(self.norm(x), self.lm_head.weight)
+
+    def layer_branches(self, layer: int, x: Tensor, through: Tensor, positions: Tensor, key_mask: Tensor | None,
+                       kv: KVAccess, rows: Rows) -> tuple[Tensor, Tensor]:
+        """Layer `layer`'s attention-branch and feed-forward-branch outputs `[B, S, d]` of the rows `through`
+        (`[B, S]` indices into the active rows `x`, `positions`) alone, against the cache's keys and values."""
+        if not through.shape[1]:
+            return x[:, :0], x[:, :0]
+        block = self.layers[layer]
+        chosen = x.gather(1, through[..., None].expand(-1, -1, x.shape[-1]))
+        cos, sin = self.rope_tables(positions.gather(1, through))
+        if key_mask is not None and key_mask.shape[2] > 1:  # a mask per query row
+            key_mask = key_mask.gather(2, through[:, None, :, None].expand(-1, key_mask.shape[1], -1,
+                                                                           key_mask.shape[3]))
+        o = block.attend(chosen, cos, sin, key_mask, kv, Rows(canvas_index(rows, through)), layer)
+        return block.branches(chosen, o)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 window: tuple[int, int] | None = None) -> Tensor:
