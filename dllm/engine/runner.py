@@ -264,6 +264,12 @@ class ExtraKeys:
     def observe_attention(self, layer: int, rows: Rows, probs: Tensor) -> None:
         pass
 
+    def layer_rows(self, layer: int, rows: Rows, x: Tensor) -> None:
+        return None
+
+    def observe_output(self, rows: Rows, x: Tensor) -> None:
+        pass
+
 
 # A model's floats (RMSNorm eps) are compiled in as constants: a layer region (`Block`) takes tensors only, and
 # without this a second model with another eps would pass it as a float. The patch is one object that sets torch's
