@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from dllm.core.params import Registry
 
-from .base import Commit, Sampler, StepContext, scoring_without, stack_rows
+from .base import Commit, Sampler, StepContext, stack_rows
 
 SAMPLERS = Registry("sampler", Sampler)
 register = SAMPLERS.register
 
 from . import llada, fastdllm, dream, research, speculative, block_diffusion, indel, entropy_bound  # noqa: E402,F401,I001  (registers the built-in samplers, in order)
 
-__all__ = ["SAMPLERS", "Commit", "Sampler", "StepContext", "register", "scoring_without", "stack_rows"]
+__all__ = ["SAMPLERS", "Commit", "Sampler", "StepContext", "register", "stack_rows"]

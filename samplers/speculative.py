@@ -22,11 +22,12 @@ from .base import Commit, Sampler, StepContext, row_values, token_probability, t
 DRAFT_STEPS = {"llada": 4, "dream": 8}  # FreeDave's K per model family
 
 
-def stepwise_choice(logits, eligible):
+def stepwise_choice(logits, eligible, unscored=None):
     """The stepwise decoder's next commit: argmax token at the most probable eligible position (ties: lowest
-    position), as `low_confidence` with one token per step. Returns (mask, tokens, confidence)."""
+    position), as `low_confidence` with one token per step (`unscored`: `StepContext.unscored`). Returns (mask,
+    tokens, confidence)."""
     tokens = logits.argmax(-1)
-    confidence = token_probability(logits, tokens)
+    confidence = token_probability(logits, tokens, unscored)
     one = torch.ones(eligible.shape[:-1], dtype=torch.long, device=eligible.device)
     return top_k_per_row(confidence.flatten(0, -2), eligible.flatten(0, -2), one.flatten()).view_as(eligible), \
         tokens, confidence
@@ -49,7 +50,7 @@ class Speculative(Sampler):
             raise DllmError("sampler 'speculative' is lossless for greedy decoding only; set temperature=0")
 
     def step(self, ctx: StepContext) -> Commit:
-        first, tokens, confidence = stepwise_choice(ctx.logits, ctx.eligible)
+        first, tokens, confidence = stepwise_choice(ctx.logits, ctx.eligible, ctx.unscored)
         masks_left = int(ctx.eligible.sum(1).max())
         own = [int(k or DRAFT_STEPS[ctx.family]) for k in row_values(self.draft_steps, len(first))]  # each row's K
         # a draft that fills the block needs no forward of its own
@@ -67,7 +68,7 @@ class Speculative(Sampler):
         logits = ctx.forward(drafts)  # [B, n, C, V]
         # target of draft j: its stepwise successor; draft j+1 is right when it equals that target
         still = ctx.eligible[:, None] & ~fill
-        nxt, nxt_tokens, _ = stepwise_choice(logits, still)
+        nxt, nxt_tokens, _ = stepwise_choice(logits, still, ctx.unscored)
         targets = torch.where(nxt, nxt_tokens, drafts)
         right = (drafts[:, 1:] == targets[:, :-1]).all(-1)  # [B, n-1]
         best = right.long().cumprod(1).sum(1)  # length of the right chain after d_0, which is always right

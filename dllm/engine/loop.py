@@ -242,8 +242,7 @@ class Batch:
             ctx = self._context(logits, step, start, end, lo, hi, open_now)
             if step == 0:  # the block-start forward may move the block end (AdaBlock)
                 end = self._move_block_end(ctx)
-            with samplers_mod.scoring_without(self.unscored):  # LLaDA's confidence_eos_eot_inf
-                out = self.stacked.step(ctx)
+            out = self.stacked.step(ctx)
             commit, checks, reused = self._write(ctx, out, lo, hi)
             committed += commit.sum()
             self._after_step(ctx, out, commit, counted)
@@ -323,7 +322,7 @@ class Batch:
             generators=[g if o else None for g, o in zip(self.generators, open_now)],
             nfe=self.stats.nfe - 1, total_steps=self.total_steps, block_start=start, block_end=end,
             prompt_length=canvas.prompt_length, state=self.state, editable=editable, family=self.family,
-            config=self.model.config,
+            config=self.model.config, unscored=self.unscored,
             forward=partial(self._verify, step, start, end, lo, hi) if sampler.drafts else None)
 
     def _window(self, lo: int, hi: int, start: int, end: int) -> tuple[Tensor, Tensor]:
