@@ -188,8 +188,14 @@ BAD = [
     ({"prompt": "copy: ab", "sampler": "thresh"}, "unknown sampler 'thresh'; did you mean 'threshold'?"),
     ({"prompt": "copy: ab", "sampler": "prophet", "answer_start": 40, "gen_length": 32},
      "answer_start=40 is past the answer"),
-    ({"prompt": "copy: ab", "sampler": ["threshold"]}, "unknown sampler ['threshold']"),
-    ({"prompt": "copy: ab", "cache": {}}, "unknown cache {}"),
+    ({"prompt": "copy: ab", "sampler": ["threshold"]}, "sampler must be a sampler's name, got ['threshold']"),
+    ({"prompt": "copy: ab", "cache": {}}, "cache must be a cache's name, got {}"),
+    ({"prompt": "copy: ab", "temperature": "0.5"}, "temperature must be a number, got '0.5'"),
+    ({"prompt": "copy: ab", "max_tokens": 4.0}, "max_tokens must be an integer, got 4.0"),
+    ({"prompt": 7}, "prompt must be a string (or a list of token ids), got 7"),
+    ({"prompt": [3, "a"]}, "prompt must be a string (or a list of token ids), got [3, 'a']"),
+    ({"prompt": "copy: ab", "sampler_args": "threshold=0.5"},
+     "sampler_args must be a JSON object of parameters, got 'threshold=0.5'"),
     ({"prompt": "copy: ab", "seed": 2**64}, "seed must be at most 9223372036854775807"),
     ({"prompt": "copy: ab", "sampler": "threshold", "threshold": -1}, "threshold"),
     ({"prompt": "copy: ab", "speed": 3}, "unknown parameter 'speed'"),
@@ -205,7 +211,9 @@ BAD = [
      "tools is an OpenAI field this server does not support"),
     ({"prompt": "copy: ab", "max_tokens": 0}, "max_tokens must be at least 1"),
     ({"prompt": "copy: ab", "seed": "x"}, "seed must be an integer"),
-    ({"prompt": "copy: ab", "stream": "yes"}, "stream must be true or false"),
+    ({"prompt": "copy: ab", "stream": "yes"}, "stream must be true or false, got 'yes'"),
+    ({"prompt": "copy: ab", "ignore_eos": 1}, "ignore_eos must be true or false, got 1"),
+    ({"prompt": "copy: ab", "stop": ["ab", ""]}, "stop must be a string or a list of non-empty strings"),
     ({"prompt": "copy: ab", "cache": "dkv", "sampler": "speculative"}, "verifies drafts"),
     ({"prompt": "copy: ab", "cfg_scale": -1}, "cfg_scale must be a number >= 0"),
     ({"prompt": "copy: ab", "cache": "elastic", "cfg_scale": 1.0}, "cache 'elastic' refreshes every row"),
@@ -270,6 +278,35 @@ def test_checking_the_defaults_at_start_says_nothing_of_prompt_formats(tiny):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         EngineClient.spawn(SPEC, DEFAULTS).check_defaults()  # (never started: the model without its weights)
+
+
+def test_openapi_describes_the_request_bodies(server):
+    """/openapi.json gives each endpoint's body as a typed model: OpenAI's fields and ours, what is required, and
+    that any other field (a sampler or cache parameter by name) is allowed."""
+    with urllib.request.urlopen(server.url + "/openapi.json") as r:
+        spec = json.loads(r.read())
+    schemas = spec["components"]["schemas"]
+    for path, name in (("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatRequest")):
+        body = spec["paths"][path]["post"]["requestBody"]
+        assert body["required"] and body["content"]["application/json"]["schema"] == {
+            "$ref": f"#/components/schemas/{name}"}
+        fields = schemas[name]["properties"]
+        assert {"max_tokens", "temperature", "seed", "stream", "stop", "sampler", "cache", "gen_length",
+                "block_length", "steps", "sampler_args", "cfg_scale", "ignore_eos"} <= set(fields)
+        assert fields["seed"]["anyOf"] == [{"type": "integer"}, {"type": "null"}]
+        assert schemas[name]["additionalProperties"] is True
+    assert schemas["CompletionRequest"]["required"] == ["prompt"] and schemas["ChatRequest"]["required"] == ["messages"]
+    messages = schemas["ChatRequest"]["properties"]["messages"]
+    assert messages["minItems"] == 1 and messages["items"] == {"$ref": "#/components/schemas/ChatMessage"}
+    assert set(schemas["ChatMessage"]["required"]) == {"role", "content"}
+
+
+@pytest.mark.parametrize("messages", ["hi", [], [{"role": "user"}], [{"role": 3, "content": "copy: ab"}],
+                                      [{"role": "user", "content": ["copy: ab"]}]])
+def test_chat_messages_that_do_not_fit_their_model_get_400(server, messages):
+    status, answer = post(server.url + "/v1/chat/completions", {"messages": messages})
+    assert status == 400 and answer["error"]["message"] == (
+        f'messages must be a non-empty list of {{"role": ..., "content": "text"}} objects, got {messages!r:.80}')
 
 
 def test_bad_chat_and_json_get_400(server):

@@ -8,6 +8,7 @@ import threading
 import time
 
 from ..core.errors import DllmError
+from .bodies import ChatRequest, CompletionRequest
 from .engine_client import EngineClient, Unavailable
 from .logprobs import LogprobsFormat
 from .requests import Job
@@ -28,6 +29,7 @@ def create_app(engine: EngineClient):
         await engine.close()
 
     app = FastAPI(title="dllm", lifespan=lifespan)
+    app.openapi = lambda: app.openapi_schema or _openapi(app)
 
     def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
         return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
@@ -73,11 +75,11 @@ def create_app(engine: EngineClient):
                                             "choices": [choice], "usage": event["usage"]}),
                                 media_type="application/json")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request):
         return await answer(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatRequest))
     async def chat_completions(request: Request):
         return await answer(request, chat=True)
 
@@ -95,6 +97,27 @@ def create_app(engine: EngineClient):
         return Response(engine.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
+
+
+def _body_schema(model) -> dict:
+    """A route's request body in /openapi.json: `model` (the handler reads and checks the raw body itself, so that a
+    body too large is refused before it is read and a bad one gets our one-line 400)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def _openapi(app) -> dict:
+    """FastAPI's schema, with the request body models (and the models they use) among its components."""
+    from fastapi.openapi.utils import get_openapi
+
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for model in (CompletionRequest, ChatRequest):
+        described = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(described.pop("$defs", {}))
+        components[model.__name__] = described
+    app.openapi_schema = schema
+    return schema
 
 
 MAX_BODY_BYTES = 4 << 20  # far past any prompt a model's context holds

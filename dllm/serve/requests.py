@@ -20,6 +20,7 @@ from ..engine.logprobs import check_logprobs
 from ..engine.options import decoding_lengths, lengths_for_answer, settle
 from ..engine.text import answer_text, check_plain_text, encode_prompts, warn_outside_format
 from ..samplers import SAMPLERS
+from . import bodies
 from .messages import Add
 
 OPENAI_FIELDS = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "seed", "stream",
@@ -188,9 +189,9 @@ class RequestReader:
         self.prepared = PreparedSamplers(tokenizer)
 
     def job(self, body: Any, chat: bool) -> Job:
-        """Validate a request body into a Job (DllmError: the one-line reason)."""
-        if not isinstance(body, dict):
-            raise DllmError("the request body must be a JSON object")
+        """Validate a request body (parsed JSON) into a Job (DllmError: the one-line reason): its types against the
+        endpoint's model (`bodies`), then what types cannot say."""
+        body = bodies.read(body, chat)
         if body.get("model") not in (None, self.name):
             raise DllmError(f"model {body['model']!r} is not served here; this server serves {self.name!r} "
                             f"(GET /v1/models)")
@@ -206,15 +207,10 @@ class RequestReader:
             if body.get(name, neutral) not in (None, neutral) and name not in takes:
                 raise DllmError(f"{name} is not supported by sampler {sampler_name!r} (the sampler decides what to "
                                 f"commit); drop it or send {neutral}")
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise DllmError(f"stream must be true or false, got {stream!r}")
-        ignore_eos = body.get("ignore_eos", False)
-        if not isinstance(ignore_eos, bool):
-            raise DllmError(f"ignore_eos must be true or false, got {ignore_eos!r}")
+        stream, ignore_eos = bool(body.get("stream")), bool(body.get("ignore_eos"))
         stop = body.get("stop") or []
         stop = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        if not all(stop):
             raise DllmError(f"stop must be a string or a list of non-empty strings, got {body.get('stop')!r}")
         logprobs = _logprobs(body, chat)
         ids = self._prompt_ids(body, chat)
@@ -222,9 +218,6 @@ class RequestReader:
                   and k not in LAYOUT_FIELDS and k not in GUIDANCE_FIELDS
                   and k not in ("sampler", "cache", "sampler_args", "cache_args")}
         params.update({k: body[k] for k in ("temperature", *NEUTRAL) if body.get(k) is not None and k in takes})
-        for name in ("sampler_args", "cache_args"):
-            if not isinstance(body.get(name) or {}, dict):
-                raise DllmError(f"{name} must be a JSON object of parameters, got {body[name]!r}")
         d = self.defaults
         same_sampler = body.get("sampler", d["sampler"]) == d["sampler"]
         same_cache = body.get("cache", d["cache"]) == d["cache"]
@@ -255,20 +248,14 @@ class RequestReader:
     def _prompt_ids(self, body: dict, chat: bool) -> list[int]:
         tok = self.tokenizer
         if not chat:
-            prompt = body.get("prompt")
-            if prompt is None:
-                raise DllmError("prompt is missing; give a string (or a list of token ids)")
+            prompt = body["prompt"]
             if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
                 if len(prompt) > 1:
                     raise DllmError("send one prompt per request (got a list of strings)")
                 prompt = prompt[0]
             return encode_prompts(tok, [prompt], chat=False)[0]
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), (str, list))
-                for m in messages):
-            raise DllmError("messages must be a non-empty list of {\"role\": ..., \"content\": \"text\"} objects")
-        messages = [{"role": _role(m["role"], i), "content": _text(m["content"], i)} for i, m in enumerate(messages)]
+        messages = [{"role": _role(m["role"], i), "content": _text(m["content"], i)}
+                    for i, m in enumerate(body["messages"])]
         if getattr(tok, "chat_template", None) is None:
             raise DllmError("this model's tokenizer has no chat template; use /v1/completions")
         for i, m in enumerate(messages):
@@ -289,8 +276,7 @@ def _text(content: str | list, i: int) -> str:
     """A message's text: its content, or its text parts joined by newlines (as OpenAI's SDKs send content)."""
     if isinstance(content, str):
         return content
-    kinds = [part.get("type") if isinstance(part, dict) else type(part).__name__ for part in content]
-    other = next((kind for kind in kinds if kind != "text"), None)
+    other = next((part["type"] for part in content if part["type"] != "text"), None)
     if other is not None:
         raise DllmError(f"message {i}: content part type {other!r} is not supported; send text parts "
                         f"({{\"type\": \"text\", \"text\": ...}}) or a string")
@@ -308,9 +294,6 @@ def _logprobs(body: dict, chat: bool) -> int | None:
             raise DllmError("top_logprobs is a chat field; on /v1/completions send logprobs: k (alternatives per "
                             "token)")
         return check_logprobs(logprobs, name="logprobs")
-    if logprobs not in (None, True, False):
-        raise DllmError(f"logprobs must be true or false on /v1/chat/completions, got {logprobs!r}; send "
-                        f"top_logprobs: k for alternatives")
     if top is not None and not logprobs:
         raise DllmError("top_logprobs needs logprobs: true")
     return check_logprobs(0 if top is None else top, name="top_logprobs") if logprobs else None
