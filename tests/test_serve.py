@@ -426,7 +426,9 @@ def test_models_health_and_metrics(server):
     assert values["dllm_request_latency_seconds_count"] >= 1 and "dllm_queue_depth" in values
     assert 'dllm_request_latency_seconds_bucket{le="+Inf"}' in values
     assert values["dllm_engine_steps_total"] > before.get("dllm_engine_steps_total", 0)
-    assert values["dllm_engine_busy_seconds_total"] > before.get("dllm_engine_busy_seconds_total", 0)
+    busy, held = (values[f"dllm_engine_{name}_seconds_total"] - before.get(f"dllm_engine_{name}_seconds_total", 0)
+                  for name in ("busy", "held"))
+    assert 0 < busy <= held  # it decoded while it held the request, and held it a little longer
     for gauge in ("dllm_batch_rows", "dllm_engine_busy", "dllm_engine_steps_per_second"):
         assert gauge in values
 

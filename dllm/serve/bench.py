@@ -27,7 +27,8 @@ def bench_serve(model, tokenizer, spec: EngineSpec, defaults: dict[str, Any], re
     process of its own, as `spec` says), and of the same prompts decoded one after another with `dllm.generate`
     on `model` in this process; every served answer is compared with its sequential one. `rows` counts the token
     rows the network computed per layer (what a prefix cache saves); `busy` is the share of the served wall time
-    the engine spent inside its decode loop. `mix`: body fields every other request sends (e.g. {"threshold":
+    the engine spent inside its decode loop, `busy_while_held` its share of the time the engine held a request
+    (the decode loop's own efficiency: the rest of the time no request had reached it). `mix`: body fields every other request sends (e.g. {"threshold":
     0.5}: half the requests at another threshold, interleaved). `repeats`: rounds per concurrency, each a
     sequential pass then a served one, so that a shared machine's changing load hits both alike; a level's speedup
     and busy share are the medians of its rounds', its tokens/s the median round's. The client threads run in a
@@ -66,15 +67,17 @@ def bench_serve(model, tokenizer, spec: EngineSpec, defaults: dict[str, Any], re
             rounds, computed = [], rows_computed(engine)
             for _ in range(repeats):
                 alone.append(sequential_seconds())
-                busy = busy_seconds(engine)
+                busy, held = busy_seconds(engine), held_seconds(engine)
                 served = clients.submit(load, local.url + "/v1/chat/completions", bodies, level).result()
                 served["busy"] = (busy_seconds(engine) - busy) / served["seconds"]
+                served["busy_while_held"] = (busy_seconds(engine) - busy) / (held_seconds(engine) - held)
                 rounds.append((alone[-1], served))
             rows.append({**_served_row(level, rounds, want, tokens),
                          "rows": (rows_computed(engine) - computed) // layers // repeats})
     seconds = statistics.median(alone)
     rows.insert(0, {"concurrency": "sequential", "seconds": seconds, "requests_per_s": len(prompts) / seconds,
                     "tokens_per_s": tokens / seconds, "p50_s": None, "p99_s": None, "speedup": 1.0, "busy": None,
+                    "busy_while_held": None,
                     "errors": 0, "mismatches": 0,
                     "rows": sum(sum(g.stats.rows_per_layer) for g in sequential) // layers})
     config = {"model": name, "sampler": jobs[0].sampler.name, "cache": jobs[0].cache.name, **jobs[0].lengths,
@@ -108,6 +111,7 @@ def _served_row(level: int, rounds: list[tuple[float, dict]], want: list[str], t
             "p50_s": latencies[len(latencies) // 2],
             "p99_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
             "speedup": statistics.median(ratios), "busy": statistics.median(run["busy"] for _, run in rounds),
+            "busy_while_held": statistics.median(run["busy_while_held"] for _, run in rounds),
             "errors": errors, "mismatches": mismatches}
 
 
@@ -118,6 +122,11 @@ def rows_computed(engine: EngineClient) -> int:
 def busy_seconds(engine: EngineClient) -> float:
     """Seconds the engine has spent inside its decode loop (as its last outputs said)."""
     return engine.metrics.registry.get_sample_value("dllm_engine_busy_seconds_total")
+
+
+def held_seconds(engine: EngineClient) -> float:
+    """Seconds the engine has held at least one request."""
+    return engine.metrics.registry.get_sample_value("dllm_engine_held_seconds_total")
 
 
 SYSTEM_TEXT = "you are a careful assistant. read the task, then answer with the result alone, exactly as asked. "
@@ -138,14 +147,16 @@ def format_bench(result: dict) -> str:
     lines = [f"{c['model']} {c['sampler']}/{c['cache']} gen {c['gen_length']} block {c['block_length']}{mix} | "
              f"max batch {c['max_batch']} | {c['requests']} requests x {c.get('repeats', 1)} rounds, prompts of "
              f"{c['prompt_tokens']:.0f} tokens{prefix} | {c['device']}, {c['threads']} threads",
-             f"{'clients':>10} {'req/s':>7} {'tok/s':>8} {'busy':>5} {'p50 s':>7} {'p99 s':>7} {'speedup':>8} "
-             f"{'errors':>6} {'differ':>6} {'rows':>8}"]
+             f"{'clients':>10} {'req/s':>7} {'tok/s':>8} {'busy':>5} {'held':>5} {'p50 s':>7} {'p99 s':>7} "
+             f"{'speedup':>8} {'errors':>6} {'differ':>6} {'rows':>8}"]
     for r in result["rows"]:
         p50 = "-" if r["p50_s"] is None else f"{r['p50_s']:.3f}"
         p99 = "-" if r["p99_s"] is None else f"{r['p99_s']:.3f}"
-        busy = "-" if r.get("busy") is None else f"{r['busy']:.0%}"
-        lines.append(f"{r['concurrency']:>10} {r['requests_per_s']:7.2f} {r['tokens_per_s']:8.1f} {busy:>5} {p50:>7} "
-                     f"{p99:>7} {r['speedup']:7.2f}x {r['errors']:6d} {r['mismatches']:6d} {r['rows']:8d}")
+        busy, held = ("-" if r.get(k) is None else f"{r[k]:.0%}" for k in ("busy", "busy_while_held"))
+        lines.append(f"{r['concurrency']:>10} {r['requests_per_s']:7.2f} {r['tokens_per_s']:8.1f} {busy:>5} {held:>5} "
+                     f"{p50:>7} {p99:>7} {r['speedup']:7.2f}x {r['errors']:6d} {r['mismatches']:6d} {r['rows']:8d}")
+    lines.append("busy: the engine's share of the served wall time inside its decode loop; held: of the time it held a "
+                 "request")
     return "\n".join(lines) + "\n"
 
 

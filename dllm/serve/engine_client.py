@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections import deque
 from typing import Any, Callable
 
@@ -52,6 +53,7 @@ class _Link:
         self.exit: Exit | None = None
         self.code: int | None = None
         self.stopping = False  # its reader thread ends
+        self.followed = False  # a reader thread owns `pull`
         if spec is not None:
             self.process = subprocess.Popen(spec.argv(inbox, outbox))
             self.pid, self.thread = self.process.pid, None
@@ -118,6 +120,8 @@ class _Link:
     def close(self) -> None:
         self.stopping = True
         self.push.close(linger=0)
+        if not self.followed:
+            self.pull.close(linger=0)
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
@@ -228,6 +232,7 @@ class EngineClient:
         self._follow(self.link)
 
     def _follow(self, link: _Link) -> None:
+        link.followed = True
         threading.Thread(target=self._read, args=(link,), name="dllm-engine-reader", daemon=True).start()
         threading.Thread(target=self._watch, args=(link,), name="dllm-engine-watcher", daemon=True).start()
 
@@ -238,15 +243,21 @@ class EngineClient:
             pass
 
     def _read(self, link: _Link) -> None:
-        """The reader thread: each message from `link`'s engine, to the event loop."""
-        while not link.stopping:
-            if not link.pull.poll(200):
-                continue
-            message = from_engine(link.pull.recv())
-            self._call(self._received, link, message)
-            if isinstance(message, Exit):
-                break
-        link.pull.close(linger=0)
+        """The reader thread: each message from `link`'s engine, to the event loop (one it cannot read ends the
+        engine, whose death then ends the requests in flight: nothing waits for an answer that cannot come)."""
+        try:
+            while not link.stopping:
+                if not link.pull.poll(200):
+                    continue
+                message = from_engine(link.pull.recv())
+                self._call(self._received, link, message)
+                if isinstance(message, Exit):
+                    break
+        except Exception:  # noqa: BLE001  (a bug: reported, and the engine stopped)
+            traceback.print_exc()
+            link.kill()
+        finally:
+            link.pull.close(linger=0)
 
     def _watch(self, link: _Link) -> None:
         """The watcher thread: `link`'s engine's end, to the event loop."""

@@ -84,6 +84,7 @@ class Stats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     rows_computed: int = 0  # token rows the network computed, summed over layers
     steps: int = 0
     busy_seconds: float = 0.0  # inside the decode loop (`Batch.run_block`)
+    held_seconds: float = 0.0  # holding at least one request (waiting or running)
     seconds: float = 0.0  # since the engine started
     busy: float = 0.0  # share of the last second spent inside the decode loop
     steps_per_s: float = 0.0  # over the last second

@@ -23,14 +23,16 @@ METRICS = (  # attribute, kind, name, description, labels
     ("steps_per_second", "gauge", "dllm_engine_steps_per_second", "Engine steps per second, over its last second",
      ()),
     ("busy_seconds", "counter", "dllm_engine_busy_seconds", "Seconds the engine spent inside the decode loop "
-     "(Batch.run_block: forwards, sampler steps, the step's wait for the device)", ()),
+     "(Batch.run_block: the rows' layout, forwards, sampler steps, the waits for the device)", ()),
+    ("held_seconds", "counter", "dllm_engine_held_seconds", "Seconds the engine held at least one request (waiting "
+     "or running): busy_seconds over this is its busy share while requests wait", ()),
     ("busy", "gauge", "dllm_engine_busy", "Share of the engine's last second spent inside the decode loop", ()),
     ("restarts", "counter", "dllm_engine_restarts", "Engines started anew after a failure (--engine-restart)", ()),
     ("latency", "histogram", "dllm_request_latency_seconds", "Request latency, submit to last block", ()),
     ("first_block", "histogram", "dllm_first_block_seconds", "Submit to the first final block", ()),
 )
 
-ENGINE_COUNTERS = ("committed", "forwards", "rows_computed", "steps", "busy_seconds")  # `Stats` fields, same names
+ENGINE_COUNTERS = ("committed", "forwards", "rows_computed", "steps", "busy_seconds", "held_seconds")  # `Stats`'s
 
 
 class Metrics:

@@ -87,6 +87,7 @@ class Engine:
         self.closing = False  # shutting down: new requests are refused
         self.forwards = self.committed = self.rows_computed = self.steps = 0
         self.busy_seconds, self.started = 0.0, time.perf_counter()
+        self.held_seconds, self._held_since = 0.0, None  # wall time holding a request; since when it holds one
         self._window, self._rates = (self.started, 0.0, 0), (0.0, 0.0)  # (since, busy, steps), (busy, steps/s)
 
     @property
@@ -105,6 +106,8 @@ class Engine:
         except Exception as error:  # checked in the HTTP process already; a mismatch of the two is answered
             self.outputs.append(_error(add.req_id, error))
             return
+        if not self.tasks:
+            self._held_since = time.perf_counter()
         self.waiting.append(task)
         self.tasks[add.req_id] = task
 
@@ -161,7 +164,8 @@ class Engine:
 
     def _finish(self, task: Task) -> None:
         task.delivered = True
-        self.tasks.pop(task.add.req_id, None)
+        if self.tasks.pop(task.add.req_id, None) is not None and not self.tasks:
+            self.held_seconds += time.perf_counter() - self._held_since
 
     def _admit(self) -> None:
         """Between blocks: drop finished and cancelled rows, then fill free slots from the queue, oldest first; a
@@ -224,12 +228,11 @@ class Engine:
 
     def _block(self, group: Group) -> None:
         batch = group.batch
-        nfe, committed, rows, seconds = batch.stats.nfe, batch.stats.gen_tokens, batch.rows_computed, \
-            batch.stats.seconds
+        nfe, committed, rows, began = batch.stats.nfe, batch.stats.gen_tokens, batch.rows_computed, time.perf_counter()
         try:
-            batch.run_block()
+            batch.run_block()  # (it waits for the device at its end)
         finally:
-            self.busy_seconds += batch.stats.seconds - seconds
+            self.busy_seconds += time.perf_counter() - began
         self.rows_computed += batch.rows_computed - rows
         self.forwards += batch.stats.nfe - nfe
         self.committed += batch.stats.gen_tokens - committed
@@ -263,8 +266,9 @@ class Engine:
             self._rates = ((self.busy_seconds - busy) / (now - since), (self.steps - steps) / (now - since))
             self._window = (now, self.busy_seconds, self.steps)
         p = self.prefix
+        held = self.held_seconds + (now - self._held_since if self.tasks else 0.0)
         return Stats(waiting=len(self.waiting), rows=sum(len(group.tasks) for group in self.groups),
                      batches=len(self.groups), forwards=self.forwards, committed=self.committed,
                      rows_computed=self.rows_computed, steps=self.steps, busy_seconds=self.busy_seconds,
-                     seconds=now - self.started, busy=self._rates[0], steps_per_s=self._rates[1],
+                     held_seconds=held, seconds=now - self.started, busy=self._rates[0], steps_per_s=self._rates[1],
                      prefix=None if p is None else PrefixStats(p.queried, p.hits, p.evicted, p.nbytes, len(p.blocks)))
