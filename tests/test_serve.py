@@ -527,3 +527,5 @@ def test_bench_serve_with_mixed_settings_compares_every_answer(capsys):
     assert result["config"]["repeats"] == 2
     assert [(r["concurrency"], r["errors"], r["mismatches"]) for r in result["rows"]] == [("sequential", 0, 0),
                                                                                          (3, 0, 0)]
+    served = result["rows"][1]  # the engine's share of the time in its decode loop, of the wall and of its work
+    assert 0 < served["busy"] <= 1.05 and 0 < served["busy_while_held"] <= 1.05
