@@ -2,8 +2,8 @@
 the HTTP process only through ZeroMQ messages (`messages`): PULL for requests and aborts, PUSH for the answers'
 tokens and the engine's numbers.
 
-`dllm serve` starts it as its child (`EngineSpec.argv`: `main(SPEC, INBOX, OUTBOX)`, SPEC the JSON of an
-`EngineSpec`); tests may run the same `serve` on a thread beside the HTTP side (`engine_client.EngineClient`). The
+`dllm serve` starts it as its child (`EngineSpec.argv`: `main(SPEC, INBOX, OUTBOX, PARENT)`, SPEC the JSON of an
+`EngineSpec`, PARENT the HTTP process's pid); tests may run the same `serve` on a thread beside the HTTP side (`engine_client.EngineClient`). The
 loop: read the inbox (blocking up to a second while idle), run one block, send its outputs. The inbox is read
 again after every step, so an abort stops its row at the next step. It leaves on `Shutdown` (exit 0, after the
 requests in flight finished or its timeout ended them with 503), when the HTTP process has gone (exit 0), or on an
@@ -52,9 +52,9 @@ class EngineSpec:
         return Engine(model, tokenizer, self.max_batch, self.compile, self.prefix_cache_mb)
 
     def argv(self, inbox: str, outbox: str) -> list[str]:
-        """The command line that runs this engine process."""
+        """The command line that runs this engine process as a child of this one."""
         run = f"import sys; from {__name__} import main; sys.exit(main(sys.argv[1:]))"  # (-m would import it twice)
-        return [sys.executable, "-c", run, json.dumps(asdict(self)), inbox, outbox]
+        return [sys.executable, "-c", run, json.dumps(asdict(self)), inbox, outbox, str(os.getpid())]
 
 
 def serve(make_engine: Callable[[], Engine], inbox: str, outbox: str, parent: int | None = None) -> int:
@@ -128,6 +128,6 @@ def _run(engine: Engine, pull, push, parent: int | None) -> str:
 def main(argv: list[str]) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    spec, inbox, outbox = EngineSpec(**json.loads(argv[0])), argv[1], argv[2]
-    return serve(spec.engine, inbox, outbox, parent=os.getppid())
+    spec, inbox, outbox, parent = EngineSpec(**json.loads(argv[0])), argv[1], argv[2], int(argv[3])
+    return serve(spec.engine, inbox, outbox, parent)  # (the parent's pid as it started us: it may be gone already)
 
