@@ -15,10 +15,14 @@ _EXPORTS = {"DllmError": "core.errors", "DllmNotice": "core.errors", "Generation
             "decode": "engine", "generate": "engine", "stream": "engine", "available_models": "models.loading",
             "load": "models.loading", "save_pretrained": "models.checkpoint"}
 
+_MODULES = ("likelihood",)  # public modules under their names from before the rooms split (#33)
+
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
     if name in _EXPORTS:
         return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    if name in _MODULES:
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'dllm' has no attribute {name!r}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dllm.core.params import Registry
 
-from .base import Commit, ExtraRows, Sampler, StepContext, scoring_without, stack_rows
+from .base import Commit, ExtraRows, Sampler, StepContext, stack_rows
 
 SAMPLERS = Registry("sampler", Sampler)
 register = SAMPLERS.register
@@ -16,4 +16,4 @@ from . import (llada, fastdllm, dream, credit, localleap, prophet, adablock, hie
                block_diffusion, indel, entropy_bound, eb_sampler, dus, klass, pc_sampler, wino,
                certainty_prior)
 
-__all__ = ["SAMPLERS", "Commit", "ExtraRows", "Sampler", "StepContext", "register", "scoring_without", "stack_rows"]
+__all__ = ["SAMPLERS", "Commit", "ExtraRows", "Sampler", "StepContext", "register", "stack_rows"]

@@ -76,7 +76,7 @@ class AdaBlock(Sampler):
         if size < 1:  # gen_length < 4: no window, the default block
             return ctx.block_end
         window = (ctx.positions >= ctx.block_start) & (ctx.positions < ctx.block_start + size)
-        conf = token_probability(ctx.logits[:, window], tokens[:, window]).double()
+        conf = token_probability(ctx.logits[:, window], tokens[:, window], ctx.unscored).double()
         conf = torch.where(torch.isin(tokens[:, window], self._ids.to(tokens.device)), conf, -1.0)
         best_conf, best = conf.max(-1)  # first maximum: ties go to the lowest position
         tau = torch.tensor([DELIMITER_THRESHOLD[ctx.family] if t is None else t  # None: the family's
@@ -89,5 +89,5 @@ class AdaBlock(Sampler):
         tokens = ctx.state.__dict__.pop("block_start_tokens", None)
         if tokens is None:
             tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generators)
-        confidence = token_probability(ctx.logits, tokens)
+        confidence = token_probability(ctx.logits, tokens, ctx.unscored)
         return Commit(threshold_commit(confidence, ctx.eligible, self.threshold), tokens, confidence)

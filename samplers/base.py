@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import copy
 import math
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any, Callable, ClassVar
@@ -50,6 +48,8 @@ class StepContext:
     # (samplers with `edits = True`; never the prompt or another block)
     family: str = "llada"  # "llada" (aligned logits) or "dream" (shifted), for defaults the papers set per family
     config: Any = None  # the model's `ModelConfig`: its special ids (mask, stops, edit tokens)
+    unscored: Tensor | None = None  # LLaDA's `confidence_eos_eot_inf`: the token ids (or a `[B, V]` mask, each row's
+    # own) that `token_probability` scores as if their logit were -inf; None: off. Pass it to `token_probability`
     extra_logits: Tensor | None = None  # [B, E, V] logits of the sampler's `extra_rows` (samplers with `adds_rows`),
     # each extra row's own (on a shifted model, Dream, a row scores the column after its own)
 
@@ -109,7 +109,7 @@ class Sampler(Params):
     # the batch computes); the others may differ per row (`stack_rows`)
     adds_rows: ClassVar[bool] = False  # its forwards compute `extra_rows` beside the canvas rows (WINO's shadow block)
     orders_by_token_probability: ClassVar[bool] = True  # commits in the order of `token_probability` (or at random),
-    # so LLaDA's `confidence_eos_eot_inf` (`scoring_without`) reaches its choice
+    # so LLaDA's `confidence_eos_eot_inf` (`StepContext.unscored`, passed to `token_probability`) reaches its choice
     temperature: float = param(0.0, "sampling temperature (0 = greedy)", ge=0.0)
 
     def step(self, ctx: StepContext) -> Commit:
@@ -264,28 +264,14 @@ def gumbel_argmax(logits: Tensor, temperature: Any, generators: list[torch.Gener
     return (logits.double() + per_row(temperature, gumbel) * gumbel).argmax(-1)
 
 
-_UNSCORED: ContextVar[Tensor | None] = ContextVar("dllm_unscored_tokens", default=None)
-
-
-@contextmanager
-def scoring_without(token_ids: Tensor | None):
-    """While the decode loop runs a step under LLaDA's `confidence_eos_eot_inf`, `token_probability` scores
-    every position as if `token_ids` (EOS, EoT; or a `[B, V]` mask, each row's own) had logit -inf: a position
-    predicting one of them gets probability 0 and the others' probabilities leave out their mass (ML-GSAI/LLaDA
-    `generate.py`)."""
-    token = _UNSCORED.set(token_ids)
-    try:
-        yield
-    finally:
-        _UNSCORED.reset(token)
-
-
-def token_probability(logits: Tensor, tokens: Tensor) -> Tensor:
+def token_probability(logits: Tensor, tokens: Tensor, unscored: Tensor | None = None) -> Tensor:
     """Softmax probability of `tokens` under the (noise-free) logits: the softmax in fp32, gathered, as
     ML-GSAI/LLaDA `generate.py` and NVlabs/Fast-dLLM compute their confidences (Fast-dLLM in fp64), so that
-    near-tied confidences order as theirs do (`tests/test_reference_rules.py`). See `scoring_without`."""
+    near-tied confidences order as theirs do (`tests/test_reference_rules.py`). `unscored` (the step's
+    `StepContext.unscored`, LLaDA's `confidence_eos_eot_inf`): token ids (EOS, EoT; or a `[B, V]` mask, each row's
+    own) scored as if their logit were -inf, so a position predicting one of them gets probability 0 and the
+    others' probabilities leave out their mass (ML-GSAI/LLaDA `generate.py`)."""
     logits = logits.float()
-    unscored = _UNSCORED.get()
     if unscored is not None and unscored.dim() == 2:  # a mask per row
         logits = logits.masked_fill(unscored.view(len(unscored), *[1] * (logits.dim() - 2), -1), float("-inf"))
     elif unscored is not None:
@@ -373,7 +359,8 @@ class CausalFirst(Sampler):
         drawn = gumbel_argmax(causal, self.temperature, ctx.generators)  # [B, 1]
         width = ctx.positions.shape[0]
         return Commit(ctx.eligible & (ctx.positions == ctx.block_start), drawn.expand(-1, width),
-                      token_probability(causal, drawn).expand(-1, width), logits=causal.expand(-1, width, -1))
+                      token_probability(causal, drawn, ctx.unscored).expand(-1, width),
+                      logits=causal.expand(-1, width, -1))
 
     def logit_window(self, prompt_length: int, length: int, start: int, end: int, step: int) -> tuple[int, int]:
         return (start - 1, end) if self.causal_first and step == 0 else (start, end)

@@ -14,10 +14,10 @@ from .base import (CausalFirst, Commit, Sampler, StepContext, entropy_bounded, g
 from .fastdllm import threshold_commit
 
 
-def sampled_probability(logits, tokens, temperature):
+def sampled_probability(logits, tokens, temperature, unscored=None):
     """Probability of the sampled `tokens` under the distribution they were drawn from, softmax(logits / T),
     as the confidence of SDAR's and Fast-dLLM v2's samplers (the plain softmax at T = 0)."""
-    return token_probability(tempered(logits, temperature), tokens)
+    return token_probability(tempered(logits, temperature), tokens, unscored)
 
 
 @register("low_confidence_dynamic")
@@ -34,7 +34,7 @@ class LowConfidenceDynamic(Sampler):
 
     def step(self, ctx: StepContext) -> Commit:
         tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generators)
-        confidence = sampled_probability(ctx.logits, tokens, self.temperature)
+        confidence = sampled_probability(ctx.logits, tokens, self.temperature, ctx.unscored)
         size, eligible = ctx.block_end - ctx.block_start, ctx.eligible
         scheduled = size // ctx.steps + int(ctx.step < size % ctx.steps) if ctx.step < ctx.steps else size
         above = eligible & (confidence > per_row(self.threshold, confidence))
@@ -54,7 +54,7 @@ class Leftmost(CausalFirst):
     def choose(self, ctx: StepContext) -> Commit:
         tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generators)
         first = ctx.eligible & (ctx.eligible.long().cumsum(1) <= quota(ctx)[:, None])
-        return Commit(first, tokens, token_probability(ctx.logits, tokens))
+        return Commit(first, tokens, token_probability(ctx.logits, tokens, ctx.unscored))
 
 
 @register("entropy_bounded")
@@ -73,7 +73,7 @@ class EntropyBounded(Sampler):
     def step(self, ctx: StepContext) -> Commit:
         tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generators)
         chosen = entropy_bounded(token_entropy(ctx.logits), ctx.eligible, self.bound, sdar=True)
-        return Commit(chosen, tokens, token_probability(ctx.logits, tokens))
+        return Commit(chosen, tokens, token_probability(ctx.logits, tokens, ctx.unscored))
 
 
 @register("sub_block")
@@ -93,7 +93,7 @@ class SubBlock(Sampler):
 
     def step(self, ctx: StepContext) -> Commit:
         tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generators)
-        confidence = sampled_probability(ctx.logits, tokens, self.temperature)
+        confidence = sampled_probability(ctx.logits, tokens, self.temperature, ctx.unscored)
         offset = ctx.positions - ctx.block_start  # [C]
         first = torch.where(ctx.eligible, offset, offset.max() + 1).amin(1, keepdim=True)  # leftmost mask
         size = per_row(self.sub_block, first)
@@ -122,7 +122,7 @@ class JointThreshold(Sampler):
 
     def step(self, ctx: StepContext) -> Commit:
         tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generators)
-        confidence = token_probability(ctx.logits, tokens)
+        confidence = token_probability(ctx.logits, tokens, ctx.unscored)
         state = ctx.state
         if ctx.step == 0:
             state.edit_steps = torch.zeros_like(ctx.eligible[:, 0], dtype=torch.long)  # steps without masks

@@ -39,7 +39,7 @@ class CertaintyPrior(Sampler):
 
     def step(self, ctx: StepContext) -> Commit:
         tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generators)
-        confidence = token_probability(tempered(ctx.logits.float(), self.temperature), tokens)
+        confidence = token_probability(tempered(ctx.logits.float(), self.temperature), tokens, ctx.unscored)
         decoded = ctx.canvas[:, ctx.prompt_length:] != ctx.config.mask_id
         density = each_value(self.sigma, partial(certainty_density, decoded))
         score = confidence * density[:, ctx.positions - ctx.prompt_length]

@@ -56,6 +56,6 @@ class Credit(Sampler):
         credit.scatter_add_(-1, top_token[..., None], gain[..., None])
         fused = logits + alpha * torch.log(credit + 1)  # as dInfer (not log1p: it rounds otherwise)
         tokens = gumbel_argmax(fused, self.temperature, ctx.generators)
-        confidence = token_probability(fused, tokens)
+        confidence = token_probability(fused, tokens, ctx.unscored)
         return Commit(near_best_or_threshold(confidence, ctx.eligible, self.threshold), tokens, confidence,
                       logits=fused)

@@ -50,7 +50,7 @@ class DUS(Sampler):
         """State: `levels` `[B, C]`, each block position's level in its row's plan; `next` `[B, L]`, the positions
         the next step scores."""
         tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generators)
-        confidence = token_probability(ctx.logits, tokens)
+        confidence = token_probability(ctx.logits, tokens, ctx.unscored)
         state, rows = ctx.state, len(tokens)
         if ctx.step == 0:
             state.levels = torch.tensor([levels_of(ctx.block_end - ctx.block_start, self.scheduler, int(a), int(s))

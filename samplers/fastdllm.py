@@ -34,7 +34,7 @@ class Threshold(CausalFirst):
 
     def choose(self, ctx: StepContext) -> Commit:
         tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generators)
-        confidence = token_probability(ctx.logits, tokens)
+        confidence = token_probability(ctx.logits, tokens, ctx.unscored)
         return Commit(threshold_commit(confidence, ctx.eligible, self.threshold), tokens, confidence)
 
 
@@ -67,6 +67,6 @@ class Factor(Sampler):
 
     def step(self, ctx: StepContext) -> Commit:
         tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generators)
-        confidence = token_probability(ctx.logits, tokens)
+        confidence = token_probability(ctx.logits, tokens, ctx.unscored)
         count = factor_count(_ranked(confidence, ctx.eligible), ctx.eligible.sum(1), self.factor, self.compat)
         return Commit(top_k_per_row(confidence, ctx.eligible, count), tokens, confidence)

@@ -62,7 +62,7 @@ class JointThresholdInDel(Sampler):
             state.seen = [set() for _ in range(len(old))]  # block states each row has decoded from
             state.tried = [{} for _ in range(len(old))]  # position -> tokens written there
         tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generators)
-        confidence = token_probability(ctx.logits, tokens)
+        confidence = token_probability(ctx.logits, tokens, ctx.unscored)
         active = ~state.done & answer.any(1)
         masks = ctx.eligible
         originals, new_masks = (state.original & masks).sum(1), (masks & ~state.original).sum(1)

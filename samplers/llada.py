@@ -20,7 +20,7 @@ class LowConfidence(CausalFirst):
 
     def choose(self, ctx: StepContext) -> Commit:
         tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generators)
-        confidence = token_probability(ctx.logits, tokens)
+        confidence = token_probability(ctx.logits, tokens, ctx.unscored)
         return Commit(top_k_per_row(confidence, ctx.eligible, quota(ctx)), tokens, confidence)
 
 

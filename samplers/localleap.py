@@ -24,7 +24,7 @@ class LocalLeap(Sampler):
 
     def step(self, ctx: StepContext) -> Commit:
         tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generators)
-        confidence = token_probability(ctx.logits, tokens)
+        confidence = token_probability(ctx.logits, tokens, ctx.unscored)
         anchors = ctx.eligible & (confidence >= per_row(self.threshold, confidence))
         near = each_value(self.radius, lambda radius: F.max_pool1d(
             anchors[:, None].float(), 2 * int(radius) + 1, stride=1, padding=int(radius))[:, 0] > 0)

@@ -70,7 +70,7 @@ class Speculative(Sampler):
     def step(self, ctx: StepContext) -> Commit:
         eligible = ctx.eligible
         tokens = ctx.logits.argmax(-1)
-        confidence = token_probability(ctx.logits, tokens)
+        confidence = token_probability(ctx.logits, tokens, ctx.unscored)
         first = self.rule(confidence, eligible)
         if self.force_first and ctx.step == 0:
             forced = eligible & (ctx.positions == ctx.block_start)
@@ -94,7 +94,7 @@ class Speculative(Sampler):
         # target of draft i: its successor by the rule; from d_0 (right by construction) move to the draft equal to
         # the target of the last one reached, among a row's own K drafts that leave a mask
         after = logits.argmax(-1)
-        targets = torch.where(self.rule(token_probability(logits, after), eligible[:, None] & ~fill), after, drafts)
+        targets = torch.where(self.rule(token_probability(logits, after, ctx.unscored), eligible[:, None] & ~fill), after, drafts)
         agree = (drafts[:, None] == targets[:, :, None]).all(-1)  # [B, i, j]: d_j == target of d_i
         agree &= torch.ones(n, n, dtype=torch.bool, device=k.device).triu(1)
         agree &= ((k[None] < own[:, None]) & (k[None] < left[:, None]))[:, None]

@@ -11,6 +11,9 @@
 # pip install '.[quant]'), dual cache, batch 1 and 8, each against the weight-read floor of its own bytes as
 # `dllm bench` counts them (quantized layers, their scales, the bf16 embedding and head); the matmul floor of int8
 # and fp8 GEMMs (fp8: dynamic activations) at twice the bf16 peak, weight-only int8 and int4 at the bf16 peak.
+# Last the serving row of BENCHMARKS.md ("The engine in its own process"): `dllm bench-serve` of SERVE_MODEL
+# (default tiny-llada; empty skips it), threshold/dual, 32 requests from 8 clients, every other at threshold 0.5,
+# 3 rounds, on DEVICE: served against sequential tokens/s and the engine's busy share (runs/gpu-bench/serve.json).
 #
 #   scripts/gpu_bench.sh                         # writes runs/gpu-bench/*.jsonl and prints the Markdown table
 #   MODEL=random:llada-tiny SDAR_MODEL=random:sdar-tiny LLADA2_MODEL=random:llada2-tiny DEVICE=cpu DTYPE=float32 \
@@ -25,6 +28,8 @@ MODES=${MODES:-eager compile}
 SDAR_MODEL=${SDAR_MODEL-random:sdar-8b}
 LLADA2_MODEL=${LLADA2_MODEL-random:llada2-mini}
 QUANT=${QUANT-int8 int4 fp8}
+SERVE_MODEL=${SERVE_MODEL-tiny-llada}
+SERVE_REQUESTS=${SERVE_REQUESTS:-32}
 mkdir -p "$OUT"
 for mode in $MODES; do  # one process per model, cache and mode: one load and one compilation for both batches;
   # per batch size a warm-up run, one timed run and one run that times each forward (dllm bench)
@@ -50,6 +55,13 @@ for mode in $MODES; do  # one process per model, cache and mode: one load and on
       --gen-length "$GEN" --batch-size 1,8 --repeats 1 $flag --json > "$OUT/llada2-$mode-block.jsonl"
   fi
 done
+if [ -n "$SERVE_MODEL" ]; then  # one engine process beside the HTTP process, each with one CPU thread
+  OMP_NUM_THREADS=1 dllm bench-serve --model "$SERVE_MODEL" --device "$DEVICE" --dtype "$DTYPE" --sampler threshold \
+    --cache dual --max-batch 8 --requests "$SERVE_REQUESTS" --concurrency 8 --repeats 3 --mix threshold=0.5 --json \
+    > "$OUT/serve.json"
+  python -c "import json, sys; from dllm.serve.bench import format_bench; print(format_bench(json.load(sys.stdin)))" \
+    < "$OUT/serve.json"
+fi
 python - "$OUT" <<'EOF'
 import json
 import sys
@@ -61,6 +73,8 @@ GEMM_SPEEDUP = {"int8-dynamic": 2, "fp8": 2}  # int8 / fp8 tensor cores: twice t
 rows = []
 results = [json.loads(line) for path in sorted(Path(sys.argv[1]).glob("*.jsonl"))
            for line in path.read_text().splitlines()]
+if not results:
+    sys.exit(0)
 for r in results:
     model, config, ms = r["model"], r["config"], r["ms_per_forward"]
     kind = "cached" if "cached" in ms else "full"

@@ -1,101 +1,91 @@
-"""Where a served request's time goes, against `dllm.generate` one request after another (BENCHMARKS.md, "Serving
-mixed settings"). tiny-llada, threshold/dual, chat requests of the synthetic tasks, every other at threshold 0.5.
-CPU times are read per thread (/proc/self/task/*/schedstat, `time.thread_time`), so a shared machine's load
-hardly enters them; only the trivial request's latency is wall time.
+"""Where a served request's CPU goes, process by process, against `dllm.generate` one request after another, and
+what a one-token request waits while other clients stream (BENCHMARKS.md, "The engine in its own process").
+tiny-llada, threshold/dual, chat requests of the synthetic tasks, every other one at threshold 0.5.
 
-1. CPU per request: sequential `dllm.generate`; served by `--clients` clients, split into the engine thread inside
-   `Batch.run_block` (decoding) and outside it (admission, hand-offs, delivery), the HTTP side (event loop and
-   worker threads: HTTP, JSON, validation, tokenization, text) and the client threads.
-2. Canvas positions the model computes per request (layer 0), sequential and served.
-3. CPU per forward at batch 1 and 8: the block-start forward (every canvas position) and a block step (the dual
-   cache's 32 block positions), per row.
-4. A trivial request (a 4-token answer in one block of 4) from one client against `dllm.generate` of it
-   in-process, interleaved: the difference is what HTTP, validation, tokenization and thread hand-offs add.
+It starts `python -m dllm.cli serve` with this interpreter (its dllm: run it with an older checkout's Python to
+measure that checkout) and reaches it over HTTP only. CPU times are read per process from
+/proc/PID/task/*/schedstat, so a shared machine's load hardly enters them; latencies are wall time.
 
-Run with OMP_NUM_THREADS=1: `python scripts/serve_profile.py [--requests 32 --clients 8 --repeats 3]`. It uses
-only what every version of the server has, so the same script measures an older checkout (PYTHONPATH)."""
+1. CPU ms per request: sequential `dllm.generate` in this process; served by `--clients` client threads (in this
+   process), split by the server's processes (one before issue #47; the HTTP process and the engine process after).
+2. The engine's busy share over the served passes (where /metrics has dllm_engine_busy_seconds_total).
+3. A one-token request's latency (max_tokens 1 in a block of 1), median and 90th percentile over `--trivial` sent
+   one after another: on an idle server, and while `--clients` clients stream the workload's requests.
+
+Run with OMP_NUM_THREADS=1: `python scripts/serve_profile.py [--requests 32 --clients 8 --repeats 3 --trivial 50]`."""
 import argparse
+import http.client
+import json
 import os
+import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+import psutil
 import torch
 
 import dllm
-from dllm.engine import Batch
-from dllm.engine.runner import Runner
 from dllm.eval.synthetic import make_split
-from dllm.models.transformer import DiffusionLM
-from dllm.serve import Engine, LocalServer, post
+from dllm.serve.client import post
 
-DEFAULTS = {"sampler": "threshold", "cache": "dual", "sampler_args": {}, "cache_args": {}, "gen_length": None,
-            "block_length": None, "steps": None, "seed": 0}
-TRIVIAL = {"prompt": "copy: ab", "max_tokens": 4, "block_length": 4}
+SERVE = ["--sampler", "threshold", "--cache", "dual", "--max-batch", "8"]
+TRIVIAL = {"prompt": "copy: ab", "max_tokens": 1, "block_length": 1}
 
 
-def thread_cpu() -> dict[int, float]:
-    """CPU seconds of every thread of this process, by native id (the scheduler's nanosecond count)."""
-    out = {}
-    for tid in os.listdir("/proc/self/task"):
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds of every thread of process `pid` (the scheduler's nanosecond counts)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            with open(f"/proc/self/task/{tid}/schedstat") as f:
-                out[int(tid)] = int(f.read().split()[0]) / 1e9
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
         except FileNotFoundError:  # ended meanwhile
             continue
-    return out
+    return total / 1e9
 
 
-class Counted:
-    """CPU seconds in `Batch.run_block` (of the calling thread) and canvas positions computed, while installed."""
-
-    def __init__(self):
-        self.decoding, self.positions = 0.0, 0
-        run_block, run = Batch.run_block, DiffusionLM.run
-        counted = self
-
-        def timed_block(batch):
-            began = time.thread_time()
-            try:
-                return run_block(batch)
-            finally:
-                counted.decoding += time.thread_time() - began
-
-        def counted_run(model, tokens, *args, **kwargs):
-            counted.positions += tokens.numel()
-            return run(model, tokens, *args, **kwargs)
-
-        Batch.run_block, DiffusionLM.run = timed_block, counted_run
-
-    def take(self) -> tuple[float, int]:
-        out, (self.decoding, self.positions) = (self.decoding, self.positions), (0.0, 0)
-        return out
+def start_server(port: int) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "dllm.cli", "serve", "--port", str(port), *SERVE],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(1200):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+            return proc
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError("the server did not start")
 
 
-def forward_costs(model, tok, prompts: list[str]) -> dict[int, tuple[float, float]]:
-    """CPU ms of a block-start forward and of a block step (median), at batch 1 and 8 of `prompts`."""
-    ids = dllm.engine.text.encode_prompts(tok, prompts, True)
-    forward, out = Runner.forward, {}
-    for batch_size in (1, 8):
-        times = {True: [], False: []}
+def busy_seconds(url: str) -> float | None:
+    with urllib.request.urlopen(url + "/metrics") as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("dllm_engine_busy_seconds_total "):
+                return float(line.split()[1])
+    return None
 
-        def timed(runner, *args, **kwargs):
-            full, began = runner.stats.full_forwards, time.thread_time()
-            logits = forward(runner, *args, **kwargs)
-            times[runner.stats.full_forwards > full].append(time.thread_time() - began)
-            return logits
 
-        Runner.forward = timed
-        for _ in range(3):  # one token per step: many block steps
-            sampler = dllm.samplers.SAMPLERS.create("low_confidence")
-            batch = Batch(model, sampler, dllm.cache.CACHES.create("dual"), 32, 32)
-            for row in ids[:batch_size]:
-                batch.add(row, 64)
-            while batch.running:
-                batch.run_block()
-        Runner.forward = forward
-        out[batch_size] = tuple(statistics.median(times[kind]) * 1000 for kind in (True, False))
+def streamed(url: str, body: dict) -> None:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=300)
+    conn.request("POST", "/v1/chat/completions", json.dumps({**body, "stream": True}),
+                 {"Content-Type": "application/json"})
+    for _ in conn.getresponse():
+        pass
+    conn.close()
+
+
+def trivial_latencies(url: str, count: int) -> list[float]:
+    out = []
+    for _ in range(count):
+        began = time.perf_counter()
+        status, answer = post(url + "/v1/completions", TRIVIAL)
+        out.append(time.perf_counter() - began)
+        assert status == 200, answer
     return out
 
 
@@ -104,67 +94,67 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3, help="passes measured (after one warm-up)")
-    ap.add_argument("--trivial", type=int, default=100, help="trivial requests sent one after another")
+    ap.add_argument("--trivial", type=int, default=50, help="one-token requests sent one after another")
     args = ap.parse_args()
     torch.set_num_threads(1)
     model, tok = dllm.load("tiny-llada")
-    engine = Engine(model, tok, "tiny-llada", DEFAULTS, max_batch=8)
     bodies = [{"messages": [{"role": "user", "content": ex.prompt}], **({"threshold": 0.5} if i % 2 else {})}
               for i, ex in enumerate(make_split("test", -(-args.requests // 5)))][:args.requests]
+    options = [dict(sampler="threshold", cache="dual", **({"threshold": 0.5} if i % 2 else {}))
+               for i in range(len(bodies))]
     prompts = [body["messages"][0]["content"] for body in bodies]
-    jobs = [engine.job(body, chat=True) for body in bodies]
-    options = [dict(sampler=job.sampler, cache=job.cache, **job.lengths, seed=job.seed, chat=True) for job in jobs]
-    counted, n = Counted(), args.requests * args.repeats
     for prompt, option in zip(prompts, options):  # warm-up
         dllm.generate(model, tok, prompt, **option)
-    counted.take()
-    began = time.process_time()  # the server's threads have not started
+    n = args.requests * args.repeats
+    began = time.process_time()
     for _ in range(args.repeats):
         for prompt, option in zip(prompts, options):
             dllm.generate(model, tok, prompt, **option)
-    sequential, (_, sequential_positions) = time.process_time() - began, counted.take()
-    clients: set[int] = set()
+    sequential = time.process_time() - began
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server, url = start_server(port), f"http://127.0.0.1:{port}"
+    try:
+        processes = [server.pid] + [child.pid for child in psutil.Process(server.pid).children(recursive=True)]
+        with ThreadPoolExecutor(args.clients) as pool:
+            chat = url + "/v1/chat/completions"
+            assert list(pool.map(lambda b: post(chat, b)[0], bodies)) == [200] * len(bodies)  # warm-up
+            cpu, own, busy, began = [cpu_seconds(p) for p in processes], time.process_time(), busy_seconds(url), \
+                time.perf_counter()
+            for _ in range(args.repeats):
+                assert list(pool.map(lambda b: post(chat, b)[0], bodies)) == [200] * len(bodies)
+            wall, clients = time.perf_counter() - began, time.process_time() - own
+            cpu = [cpu_seconds(p) - before for p, before in zip(processes, cpu)]
+            busy = None if busy is None else (busy_seconds(url) - busy) / wall
+        idle = trivial_latencies(url, args.trivial)
+        stop = threading.Event()
 
-    def send(url, body):
-        clients.add(threading.get_native_id())
-        return post(url, body)[0]
+        def stream_on(i):
+            while not stop.is_set():
+                streamed(url, bodies[i % len(bodies)])
+                i += args.clients
 
-    with LocalServer(engine) as local, ThreadPoolExecutor(args.clients) as pool:
-        url = local.url + "/v1/chat/completions"
-        assert list(pool.map(lambda b: send(url, b), bodies)) == [200] * len(bodies)  # warm-up
-        counted.take()
-        before, began = thread_cpu(), time.perf_counter()
-        for _ in range(args.repeats):
-            assert list(pool.map(lambda b: send(url, b), bodies)) == [200] * len(bodies)
-        wall, after, (decoding, positions) = time.perf_counter() - began, thread_cpu(), counted.take()
-        served, alone = [], []  # interleaved, so that both see the same load on a shared machine
-        trivial = dict(sampler="threshold", cache="dual", gen_length=4, block_length=4, chat=False)
-        for _ in range(args.trivial):
-            began = time.perf_counter()
-            status, answer = post(local.url + "/v1/completions", TRIVIAL)
-            served.append(time.perf_counter() - began)
-            assert status == 200, answer
-            began = time.perf_counter()
-            dllm.generate(model, tok, TRIVIAL["prompt"], **trivial)
-            alone.append(time.perf_counter() - began)
-    used = {tid: after[tid] - before.get(tid, 0.0) for tid in after}
-    engine_cpu = used.get(engine.thread.native_id, 0.0)
-    client_cpu = sum(used.get(tid, 0.0) for tid in clients)
-    http_cpu = sum(used.values()) - engine_cpu - client_cpu
+        streams = [threading.Thread(target=stream_on, args=(i,)) for i in range(args.clients)]
+        for t in streams:
+            t.start()
+        time.sleep(1.0)
+        loaded = trivial_latencies(url, args.trivial)
+        stop.set()
+        for t in streams:
+            t.join()
+    finally:
+        server.terminate()
+        server.wait(60)
     ms = lambda seconds: f"{seconds / n * 1000:.2f}"  # noqa: E731
-    print(f"1. CPU ms per request: sequential dllm.generate {ms(sequential)}; served "
-          f"({args.clients} clients, {wall / n * 1000:.1f} ms wall each): engine thread decoding {ms(decoding)}, "
-          f"engine thread outside run_block {ms(engine_cpu - decoding)}, HTTP side {ms(http_cpu)}, "
-          f"clients {ms(client_cpu)}")
-    print(f"2. canvas positions computed per request: sequential {sequential_positions / n:.1f}, "
-          f"served {positions / n:.1f}")
-    costs = forward_costs(model, tok, prompts)
-    print("3. CPU ms per forward (per row): " + "; ".join(
-        f"batch {b}: block start {full:.2f} ({full / b:.2f}), block step {step:.2f} ({step / b:.2f})"
-        for b, (full, step) in costs.items()))
-    served_ms, alone_ms = statistics.median(served) * 1000, statistics.median(alone) * 1000
-    print(f"4. trivial request, median of {args.trivial}: served {served_ms:.2f} ms, dllm.generate {alone_ms:.2f} ms, "
-          f"server overhead {served_ms - alone_ms:.2f} ms")
+    names = ["server process"] if len(processes) == 1 else ["HTTP process", "engine process"]
+    print(f"1. CPU ms per request: sequential dllm.generate {ms(sequential)}; served ({args.clients} clients, "
+          f"{wall / n * 1000:.2f} ms wall each): " + ", ".join(f"{name} {ms(c)}" for name, c in zip(names, cpu)) +
+          f", clients {ms(clients)}")
+    print("2. engine busy: " + ("not exported" if busy is None else f"{busy:.1%} of the served wall time"))
+    q = lambda xs: f"median {statistics.median(xs) * 1000:.1f} ms, p90 {sorted(xs)[int(0.9 * len(xs))] * 1000:.1f} ms"  # noqa: E731
+    print(f"3. one-token request, {args.trivial} one after another: idle server {q(idle)}; while {args.clients} "
+          f"clients stream {q(loaded)}")
 
 
 if __name__ == "__main__":

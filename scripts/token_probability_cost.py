@@ -26,8 +26,8 @@ from dllm.samplers import base
 CURRENT = base.token_probability
 
 
-def logsumexp_rule(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """The rule before #34."""
+def logsumexp_rule(logits: torch.Tensor, tokens: torch.Tensor, unscored: None = None) -> torch.Tensor:
+    """The rule before #34 (without `unscored`)."""
     logits = logits.float()
     return (logits.gather(-1, tokens[..., None])[..., 0] - logits.logsumexp(-1)).exp()
 

@@ -186,6 +186,17 @@ def test_api_bad_input_is_one_line_error(tiny, kwargs, pattern):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("call", ["generate", "stream"])
+def test_token_ids_outside_the_vocabulary_are_refused_before_any_decodes_them(call):
+    """On a model whose generation config names prompt formats (the shipped tiny ones), prompts are decoded to text
+    for the format check: a negative id is refused before, as an id past the vocabulary is (it was an OverflowError
+    from the tokenizer)."""
+    model, tok = dllm.load("tiny-llada")
+    for ids, bad in (([-1, 5], -1), ([5, 10**6], 10**6)):
+        with pytest.raises(DllmError, match=f"prompt 0 has token id {bad}, outside the model's vocabulary"):
+            getattr(dllm, call)(model, tok, [ids] if call == "generate" else ids, chat=False)
+
+
 @pytest.mark.parametrize("args,pattern", [
     ((None,), "model must be a name or a directory, got None"),
     (("random:llada-tiny", 123), "device must be a string such as 'cpu' or 'cuda', got 123"),

@@ -117,7 +117,8 @@ def test_the_gpu_script_writes_its_whole_table_on_the_tiny_presets(tmp_path):
     script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_bench.sh"
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "MODEL": "random:llada-tiny", "SDAR_MODEL": "random:sdar-tiny", "LLADA2_MODEL": "random:llada2-tiny",
-           "DEVICE": "cpu", "DTYPE": "float32", "GEN": "32", "MODES": "eager", "QUANT": "int8", "OUT": str(tmp_path)}
+           "DEVICE": "cpu", "DTYPE": "float32", "GEN": "32", "MODES": "eager", "QUANT": "int8", "OUT": str(tmp_path),
+           "SERVE_MODEL": ""}  # (the serving row is `dllm bench-serve`, tests/test_serve.py)
     out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, check=True).stdout
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and "---" not in line]
     header, rows = [cell.strip() for cell in rows[0]], [[cell.strip() for cell in row] for row in rows[1:]]
@@ -146,7 +147,7 @@ def test_the_gpu_scripts_floors_read_the_bytes_stored(tmp_path):
             "ms_per_forward": {"full": 9.0, "cached": 2.0}, "device": "NVIDIA H100 80GB HBM3", "ms_per_step": 2.5,
             "tokens_per_second": 100.0, "weight_mb": 3.35e9 / 2**20, "peak_mb": 4000.0, "warm_up_seconds": 1.0}
     (tmp_path / "x.jsonl").write_text(json.dumps(line) + "\n")
-    env = {**os.environ, "MODEL": "", "SDAR_MODEL": "", "LLADA2_MODEL": "", "OUT": str(tmp_path)}
+    env = {**os.environ, "MODEL": "", "SDAR_MODEL": "", "LLADA2_MODEL": "", "SERVE_MODEL": "", "OUT": str(tmp_path)}
     out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, check=True).stdout
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.splitlines() if line.startswith("| ")]
     row = dict(zip(rows[0], rows[1]))

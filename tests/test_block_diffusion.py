@@ -176,7 +176,7 @@ def test_generate_and_serve_default_to_the_models_block_and_the_block_cache(caps
     pytest.importorskip("fastapi")
     from dllm.cli import build_parser, main
     from dllm.cli.serving import serve_setup
-    from dllm.serve import Engine, LocalServer, post
+    from dllm.serve import EngineClient, EngineSpec, LocalServer, post
 
     model, tok = dllm.load("random:sdar-tiny")
     want = dllm.generate(model, tok, "abc", chat=False)
@@ -191,7 +191,7 @@ def test_generate_and_serve_default_to_the_models_block_and_the_block_cache(caps
         assert json.loads(capsys.readouterr().out)["config"]["cache"]["name"] == "block", verb
     _, _, defaults = serve_setup(build_parser().parse_args(["serve", "--model", "random:sdar-tiny"]))
     assert defaults["cache"] == "block"
-    with LocalServer(Engine(model, tok, "random:sdar-tiny", defaults)) as local:
+    with LocalServer(EngineClient.spawn(EngineSpec("random:sdar-tiny"), defaults)) as local:
         status, answer = post(local.url + "/v1/completions", {"prompt": "abc"})
     assert status == 200 and answer["choices"][0]["text"] == want.texts[0]
     assert answer["usage"]["completion_tokens"] == len(want.token_ids[0])

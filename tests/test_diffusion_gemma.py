@@ -382,13 +382,13 @@ def test_served_with_the_family_defaults():
     pytest.importorskip("fastapi")
     from dllm.cli import build_parser
     from dllm.cli.serving import serve_setup
-    from dllm.serve import Engine, LocalServer, post
+    from dllm.serve import EngineClient, EngineSpec, LocalServer, post
 
     model, tok, defaults = serve_setup(build_parser().parse_args(["serve", "--model", "random:diffusion-gemma-tiny",
                                                                    "--gen-length", "32"]))
     assert (defaults["sampler"], defaults["cache"]) == ("entropy_bound", "block")
     want = dllm.generate(model, tok, "abc", chat=False, gen_length=16)
-    with LocalServer(Engine(model, tok, "random:diffusion-gemma-tiny", defaults)) as local:
+    with LocalServer(EngineClient.spawn(EngineSpec("random:diffusion-gemma-tiny"), defaults)) as local:
         status, answer = post(local.url + "/v1/completions", {"prompt": "abc", "max_tokens": 16})
     assert status == 200 and answer["choices"][0]["text"] == want.texts[0]
     assert want.stats.nfe == 48 and answer["usage"]["completion_tokens"] == len(want.token_ids[0])

@@ -1,5 +1,7 @@
 """LLaDA's generation options `cfg_scale`, `logits_eos_inf`, `confidence_eos_eot_inf` (issue #34) against a plain
 transcription of ML-GSAI/LLaDA `generate.py`, with any sampler and the caches that keep them exact."""
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -153,6 +155,27 @@ def test_confidence_eos_eot_inf_leaves_eos_scored_at_a_temperature(tiny):
     assert Guidance(confidence_eos_eot_inf=True).unscored(cfg, 0.0, "cpu").tolist() == [cfg.filler_id, *eot]
     assert Guidance(confidence_eos_eot_inf=True).unscored(cfg, 0.7, "cpu").tolist() == eot
     assert Guidance().unscored(cfg, 0.0, "cpu") is None
+
+
+def test_confidence_eos_eot_inf_reaches_the_sampler_in_its_step_context(eos_heavy, monkeypatch):
+    """The option is a field of the step's `StepContext` (`unscored`), not state around the step: each step's
+    commit, recomputed from its context alone after decoding, is the one the loop took, and the option changed
+    some of them (without the field they would be the plain rule's)."""
+    from dllm.samplers.llada import LowConfidence
+
+    model, tok = eos_heavy
+    steps, choose = [], LowConfidence.choose
+    monkeypatch.setattr(LowConfidence, "choose", lambda self, ctx: steps.append((self, ctx, choose(self, ctx))) or
+                        steps[-1][2])
+    dllm.generate(model, tok, PROMPTS, gen_length=32, block_length=8, steps=16, stop_early=False,
+                  confidence_eos_eot_inf=True)
+    assert steps and all(ctx.unscored is not None for _, ctx, _ in steps)
+    plain = 0
+    for sampler, ctx, commit in steps:
+        again = choose(sampler, ctx)
+        assert torch.equal(again.mask, commit.mask) and torch.equal(again.tokens, commit.tokens)
+        plain += not torch.equal(choose(sampler, dataclasses.replace(ctx, unscored=None)).mask, commit.mask)
+    assert plain > 0
 
 
 @pytest.mark.parametrize("gen_length,block_length,steps", [(64, 64, 64), (64, 8, 64), (64, 32, 32)])

@@ -228,3 +228,18 @@ def test_a_cuda_default_without_a_gpu_falls_back_to_the_cpu_with_a_notice(monkey
         lm = DllmLM(model="random:llada-tiny", device="cuda")
     assert lm.model.device.type == "cpu" and lm.rank == 0 and lm.world_size == 1
     assert err.getvalue() == "note: device 'cuda' asked for but no GPU is available; running on the CPU\n"
+
+
+def test_dllm_likelihood_is_still_the_public_name():
+    """`dllm.likelihood`, the name from before the rooms split (#33), is the engine's likelihood module: imported by
+    name, or as an attribute of a fresh `import dllm`."""
+    import subprocess
+    import sys
+
+    import dllm.engine.likelihood
+    import dllm.likelihood
+    from dllm.likelihood import elbo as public_elbo
+
+    assert dllm.likelihood is dllm.engine.likelihood and public_elbo is elbo
+    code = "import dllm; print(dllm.likelihood.elbo is __import__('dllm.engine.likelihood').engine.likelihood.elbo)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "True\n"

@@ -130,7 +130,7 @@ def test_served_requests_share_a_system_prompt_and_report_hits():
     """Chat requests after one system message, several clients at once: each answer is its solo answer, and
     /metrics counts the reused tokens and the rows computed."""
     pytest.importorskip("fastapi")
-    from dllm.serve import Engine, LocalServer, load
+    from dllm.serve import EngineClient, EngineSpec, LocalServer, load
     from dllm.serve.bench import system_prompt
 
     model, tok = dllm.load("tiny-sdar")
@@ -139,7 +139,7 @@ def test_served_requests_share_a_system_prompt_and_report_hits():
     system = {"role": "system", "content": system_prompt(tok, 64)}
     tasks = ["copy: k3x9a", "reverse: abc12", "sort: 3,1,2", "copy: zzyx", "add: 0012+0034", "reverse: q1w2"]
     bodies = [{"messages": [system, {"role": "user", "content": t}]} for t in tasks]
-    engine = Engine(model, tok, "tiny-sdar", defaults, max_batch=4, prefix_cache_mb=4)
+    engine = EngineClient.spawn(EngineSpec("tiny-sdar", max_batch=4, prefix_cache_mb=4), defaults)
     solo = [dllm.generate(model, tok, [engine.job(b, chat=True).ids], sampler="low_confidence_dynamic",
                           gen_length=32).texts[0] for b in bodies]
     with LocalServer(engine) as local:
@@ -158,6 +158,7 @@ def test_bench_serve_counts_fewer_rows_with_a_prefix_cache():
     cache and without, and the cache computes fewer rows."""
     pytest.importorskip("fastapi")
     from dllm.engine.text import encode_text
+    from dllm.serve import EngineSpec
     from dllm.serve.bench import bench_serve, system_prompt
 
     model, tok = dllm.load("tiny-sdar")
@@ -166,8 +167,8 @@ def test_bench_serve_counts_fewer_rows_with_a_prefix_cache():
                 "gen_length": 32, "block_length": None, "steps": None, "seed": 0}
     rows = []
     for mib in (0, 4):
-        result = bench_serve(model, tok, "tiny-sdar", defaults, max_batch=4, requests=6, concurrency=(3,),
-                             system_prompt_tokens=64, prefix_cache_mb=mib)
+        result = bench_serve(model, tok, EngineSpec("tiny-sdar", max_batch=4, prefix_cache_mb=mib), defaults,
+                             requests=6, concurrency=(3,), system_prompt_tokens=64)
         (served,) = result["rows"][1:]
         assert served["errors"] == served["mismatches"] == 0
         rows.append(served["rows"])

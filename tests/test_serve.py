@@ -1,9 +1,9 @@
-"""`dllm serve` on loopback: answers equal `dllm.generate` alone under concurrency, one-line 400s for bad input,
-streaming per block, metrics, cancellation on disconnect, graceful SIGTERM."""
+"""`dllm serve` on loopback, its engine in a process of its own: answers equal `dllm.generate` alone under
+concurrency, one-line 400s for bad input, streaming per block, metrics, cancellation on disconnect, graceful
+SIGTERM (tests/test_serve_engine.py: shutdown and crashes of the engine process)."""
 import http.client
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -20,10 +20,12 @@ pytest.importorskip("prometheus_client")
 
 import dllm  # noqa: E402
 from dllm.eval.synthetic import make_split  # noqa: E402
-from dllm.serve import Engine, LocalServer, load, post  # noqa: E402
+from dllm.serve import Engine, EngineClient, EngineSpec, LocalServer, load, post  # noqa: E402
+from dllm.serve.requests import RequestReader  # noqa: E402
 
 DEFAULTS = {"sampler": "low_confidence", "cache": "none", "sampler_args": {}, "cache_args": {}, "gen_length": None,
             "block_length": None, "steps": None, "seed": 0}  # `dllm serve`'s own
+SPEC = EngineSpec("tiny-llada", max_batch=8)
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +34,35 @@ def tiny():
 
 
 @pytest.fixture(scope="module")
-def server(tiny):
-    model, tok = tiny
-    with LocalServer(Engine(model, tok, "tiny-llada", DEFAULTS, max_batch=8)) as local:
+def server():
+    """`dllm serve` of tiny-llada: this process serves HTTP, the engine runs in a child process."""
+    with LocalServer(EngineClient.spawn(SPEC, DEFAULTS)) as local:
         yield local
+
+
+def metric_values(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/metrics") as r:
+        text = r.read().decode()
+    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line[:1] != "#"}
+
+
+def answers(deltas) -> dict[str, tuple[list[int], str | None]]:
+    """Each request's answer from the engine's deltas: its tokens, and its finish reason (or error message)."""
+    out = {}
+    for d in deltas:
+        ids, reason = out.get(d.req_id, ([], None))
+        ids[d.start:] = d.token_ids
+        out[d.req_id] = (ids, d.finish_reason or d.message or reason)
+    return out
+
+
+def test_the_engine_runs_in_a_process_of_its_own(server):
+    """The HTTP side holds the model without its weights (for its checks); the engine process, its child, decodes."""
+    import psutil
+
+    assert server.engine.pid != os.getpid()
+    assert server.engine.pid in [child.pid for child in psutil.Process().children()]
+    assert next(server.engine.reader.model.parameters()).device.type == "meta"
 
 
 def chat(prompt, **params):
@@ -96,49 +123,79 @@ def test_other_thresholds_share_a_batch_and_another_cache_waits_behind_no_one(ti
     between them, gets its own batch at once (not after the first drains), and the two batches take blocks in
     turn. Every answer equals its prompt alone with its own settings."""
     model, tok = tiny
-    engine = Engine(model, tok, "tiny-llada", {**DEFAULTS, "sampler": "threshold", "cache": "dual"}, max_batch=8)
+    reader = RequestReader(model, tok, "tiny-llada", {**DEFAULTS, "sampler": "threshold", "cache": "dual"})
+    engine = Engine(model, tok, max_batch=8)
     cases = [("add: 0062+8111", {"threshold": 0.9}), ("add: 0062+8111", {"cache": "prefix"}),
              ("add: 0431+2270", {"threshold": 0.3})]
-    events = {}
-    for prompt, settings in cases:
-        job = engine.job(chat(prompt, **settings), chat=True)
-        job.emit = events.setdefault(prompt + str(settings), []).append
-        engine.submit(job)
+    jobs = [reader.job(chat(prompt, **settings), chat=True) for prompt, settings in cases]
+    for job in jobs:
+        engine.add(job.message())
     engine._admit()
-    assert [sorted(job.sampler.threshold for job in group.jobs.values()) for group in engine.groups] == [[0.3, 0.9],
-                                                                                                        [0.9]]
+    assert [sorted(task.sampler.threshold for task in group.tasks.values()) for group in engine.groups] == [
+        [0.3, 0.9], [0.9]]
     assert {group.batch.cache.name for group in engine.groups} == {"dual", "prefix"}
     order = []
     while engine.groups:
         order.append(engine.groups[0].batch.cache.name)
         engine.step()
     assert order[:4] == ["dual", "prefix", "dual", "prefix"]  # two-block answers: blocks in turn
-    for prompt, settings in cases:
-        last = events[prompt + str(settings)][-1]
+    got = answers(engine.take())
+    for (prompt, settings), job in zip(cases, jobs):
         want = dllm.generate(model, tok, prompt, **{"sampler": "threshold", "cache": "dual", **settings})
-        assert last["done"] and last["ids"] == want.token_ids[0]
+        assert got[job.id] == (want.token_ids[0], "stop")
 
 
 def test_a_full_engine_admits_the_oldest_waiting_request_first(tiny):
     model, tok = tiny
-    engine = Engine(model, tok, "tiny-llada", DEFAULTS, max_batch=1)
-    jobs = [engine.job(chat("copy: ab", **settings), chat=True) for settings in ({}, {"cache": "dual"}, {})]
+    reader, engine = RequestReader(model, tok, "tiny-llada", DEFAULTS), Engine(model, tok, max_batch=1)
+    jobs = [reader.job(chat("copy: ab", **settings), chat=True) for settings in ({}, {"cache": "dual"}, {})]
     for job in jobs:
-        job.emit = lambda event: None
-        engine.submit(job)
+        engine.add(job.message())
     admitted = []
     while engine.groups or engine.waiting:
         engine.step()
-        admitted += [job for job in engine.jobs.values() if job not in admitted]
-    assert admitted == jobs
+        admitted += [task.add.req_id for group in engine.groups for task in group.tasks.values()
+                     if task.add.req_id not in admitted]
+    assert admitted == [job.id for job in jobs]
+
+
+def test_an_aborted_request_stops_at_the_next_step_and_is_answered_no_more(tiny):
+    """An abort (its client left, or a stop string ended it) that arrives while a block decodes (read by the
+    engine process between steps: `poll`) stops the row at the next step; the other row decodes on, as alone."""
+    model, tok = tiny
+    reader, engine = RequestReader(model, tok, "tiny-llada", DEFAULTS), Engine(model, tok)
+    long = [reader.job(chat(p, gen_length=128, ignore_eos=True), chat=True) for p in ("copy: abcd", "reverse: q1w2")]
+    for job in long:
+        engine.add(job.message())
+    steps = []
+
+    def poll():
+        steps.append(len(engine.groups))
+        if len(steps) == 5:
+            engine.abort([long[0].id])
+
+    engine.poll = poll
+    while engine.busy:
+        engine.step()
+    got = answers(engine.take())
+    assert long[0].id not in got  # stopped inside its first block: nothing of it was final
+    want = dllm.generate(model, tok, "reverse: q1w2", gen_length=128, stop_early=False)
+    assert got[long[1].id] == (want.token_ids[0], "length") and len(steps) == 128
+    engine.abort([long[0].id, "unknown"])  # idempotent, unknown ids ignored
 
 
 BAD = [
     ({"prompt": "copy: ab", "sampler": "thresh"}, "unknown sampler 'thresh'; did you mean 'threshold'?"),
     ({"prompt": "copy: ab", "sampler": "prophet", "answer_start": 40, "gen_length": 32},
      "answer_start=40 is past the answer"),
-    ({"prompt": "copy: ab", "sampler": ["threshold"]}, "unknown sampler ['threshold']"),
-    ({"prompt": "copy: ab", "cache": {}}, "unknown cache {}"),
+    ({"prompt": "copy: ab", "sampler": ["threshold"]}, "sampler must be a sampler's name, got ['threshold']"),
+    ({"prompt": "copy: ab", "cache": {}}, "cache must be a cache's name, got {}"),
+    ({"prompt": "copy: ab", "temperature": "0.5"}, "temperature must be a number, got '0.5'"),
+    ({"prompt": "copy: ab", "max_tokens": 4.0}, "max_tokens must be an integer, got 4.0"),
+    ({"prompt": 7}, "prompt must be a string (or a list of token ids), got 7"),
+    ({"prompt": [3, "a"]}, "prompt must be a string (or a list of token ids), got [3, 'a']"),
+    ({"prompt": "copy: ab", "sampler_args": "threshold=0.5"},
+     "sampler_args must be a JSON object of parameters, got 'threshold=0.5'"),
     ({"prompt": "copy: ab", "seed": 2**64}, "seed must be at most 9223372036854775807"),
     ({"prompt": "copy: ab", "sampler": "threshold", "threshold": -1}, "threshold"),
     ({"prompt": "copy: ab", "speed": 3}, "unknown parameter 'speed'"),
@@ -154,7 +211,9 @@ BAD = [
      "tools is an OpenAI field this server does not support"),
     ({"prompt": "copy: ab", "max_tokens": 0}, "max_tokens must be at least 1"),
     ({"prompt": "copy: ab", "seed": "x"}, "seed must be an integer"),
-    ({"prompt": "copy: ab", "stream": "yes"}, "stream must be true or false"),
+    ({"prompt": "copy: ab", "stream": "yes"}, "stream must be true or false, got 'yes'"),
+    ({"prompt": "copy: ab", "ignore_eos": 1}, "ignore_eos must be true or false, got 1"),
+    ({"prompt": "copy: ab", "stop": ["ab", ""]}, "stop must be a string or a list of non-empty strings"),
     ({"prompt": "copy: ab", "cache": "dkv", "sampler": "speculative"}, "verifies drafts"),
     ({"prompt": "copy: ab", "cfg_scale": -1}, "cfg_scale must be a number >= 0"),
     ({"prompt": "copy: ab", "cache": "elastic", "cfg_scale": 1.0}, "cache 'elastic' refreshes every row"),
@@ -207,18 +266,47 @@ def test_text_parts_are_the_content_they_join(server):
 def test_top_p_goes_to_a_sampler_that_takes_it():
     """Dream's samplers take top_p: the OpenAI field is their parameter, as in sampler_args and dllm.generate."""
     model, tok = dllm.load("tiny-dream")
-    engine = Engine(model, tok, "tiny-dream", {**DEFAULTS, "sampler": "entropy"})
+    reader, engine = RequestReader(model, tok, "tiny-dream", {**DEFAULTS, "sampler": "entropy"}), Engine(model, tok)
     body = {"messages": [{"role": "user", "content": "copy: abcd"}], "sampler": "entropy"}
-    job = engine.job({**body, "top_p": 0.5}, chat=True)
-    assert job.sampler.top_p == 0.5 and job.key == engine.job({**body, "sampler_args": {"top_p": 0.5}}, chat=True).key
+    job = reader.job({**body, "top_p": 0.5}, chat=True)
+    other = reader.job({**body, "sampler_args": {"top_p": 0.5}}, chat=True)
+    assert job.sampler.top_p == 0.5 and engine._task(job.message()).key == engine._task(other.message()).key
 
 
 def test_checking_the_defaults_at_start_says_nothing_of_prompt_formats(tiny):
     """`dllm serve` checks its defaults on a one-token prompt, which is outside every prompt format: no note."""
-    model, tok = tiny
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        Engine(model, tok, "tiny-llada", DEFAULTS).check_defaults()
+        EngineClient.spawn(SPEC, DEFAULTS).check_defaults()  # (never started: the model without its weights)
+
+
+def test_openapi_describes_the_request_bodies(server):
+    """/openapi.json gives each endpoint's body as a typed model: OpenAI's fields and ours, what is required, and
+    that any other field (a sampler or cache parameter by name) is allowed."""
+    with urllib.request.urlopen(server.url + "/openapi.json") as r:
+        spec = json.loads(r.read())
+    schemas = spec["components"]["schemas"]
+    for path, name in (("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatRequest")):
+        body = spec["paths"][path]["post"]["requestBody"]
+        assert body["required"] and body["content"]["application/json"]["schema"] == {
+            "$ref": f"#/components/schemas/{name}"}
+        fields = schemas[name]["properties"]
+        assert {"max_tokens", "temperature", "seed", "stream", "stop", "sampler", "cache", "gen_length",
+                "block_length", "steps", "sampler_args", "cfg_scale", "ignore_eos"} <= set(fields)
+        assert fields["seed"]["anyOf"] == [{"type": "integer"}, {"type": "null"}]
+        assert schemas[name]["additionalProperties"] is True
+    assert schemas["CompletionRequest"]["required"] == ["prompt"] and schemas["ChatRequest"]["required"] == ["messages"]
+    messages = schemas["ChatRequest"]["properties"]["messages"]
+    assert messages["minItems"] == 1 and messages["items"] == {"$ref": "#/components/schemas/ChatMessage"}
+    assert set(schemas["ChatMessage"]["required"]) == {"role", "content"}
+
+
+@pytest.mark.parametrize("messages", ["hi", [], [{"role": "user"}], [{"role": 3, "content": "copy: ab"}],
+                                      [{"role": "user", "content": ["copy: ab"]}]])
+def test_chat_messages_that_do_not_fit_their_model_get_400(server, messages):
+    status, answer = post(server.url + "/v1/chat/completions", {"messages": messages})
+    assert status == 400 and answer["error"]["message"] == (
+        f'messages must be a non-empty list of {{"role": ..., "content": "text"}} objects, got {messages!r:.80}')
 
 
 def test_bad_chat_and_json_get_400(server):
@@ -291,7 +379,7 @@ def test_a_request_that_fails_to_join_fails_alone(tiny, monkeypatch):
 
     monkeypatch.setattr(Batch, "add", failing_add)
     model, tok = tiny
-    with LocalServer(Engine(model, tok, "tiny-llada", DEFAULTS, max_batch=8)) as local:
+    with LocalServer(EngineClient.on_thread(model, tok, "tiny-llada", DEFAULTS)) as local:  # patched: this process
         long = {**chat("reverse: hello123"), "gen_length": 128, "ignore_eos": True}
         answers = {}
         threads = [threading.Thread(target=lambda k=k, b=b: answers.__setitem__(k, post(
@@ -312,50 +400,55 @@ def test_elastic_requests_decode_alone(tiny):
     """Elastic-Cache refreshes the whole batch where any row drifts, so a row in a batch can differ from its prompt
     alone (found with a long sort prompt beside a copy): the server gives each such request a batch of its own."""
     model, tok = tiny
-    engine = Engine(model, tok, "tiny-llada", DEFAULTS)
+    reader, engine = RequestReader(model, tok, "tiny-llada", DEFAULTS), Engine(model, tok)
+
+    def key(body):
+        return engine._task(reader.job(body, False).message()).key
+
     body = {"prompt": "copy: k3x9a", "sampler": "threshold", "gen_length": 64, "block_length": 16}
-    assert engine.job({**body, "cache": "dual"}, False).key == engine.job({**body, "cache": "dual"}, False).key
-    assert engine.job({**body, "cache": "elastic"}, False).key != engine.job({**body, "cache": "elastic"}, False).key
+    assert key({**body, "cache": "dual"}) == key({**body, "cache": "dual"})
+    assert key({**body, "cache": "elastic"}) != key({**body, "cache": "elastic"})
 
 
 def test_models_health_and_metrics(server):
+    """/metrics holds the HTTP side's numbers and the engine process's own: queue depth, rows running, steps per
+    second and the share of the time it spends decoding (busy), which came with its outputs."""
     with urllib.request.urlopen(server.url + "/v1/models") as r:
         assert json.loads(r.read())["data"][0]["id"] == "tiny-llada"
     with urllib.request.urlopen(server.url + "/health") as r:
         assert json.loads(r.read())["status"] == "ok"
+    before = metric_values(server.url)
     post(server.url + "/v1/chat/completions", chat("copy: abcd"))
-    with urllib.request.urlopen(server.url + "/metrics") as r:
-        text = r.read().decode()
-    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line[:1] != "#"}
+    values = metric_values(server.url)
     assert values['dllm_requests_total{endpoint="chat",outcome="ok"}'] >= 1
     assert values["dllm_forwards_total"] >= 1 and values["dllm_generated_tokens_total"] >= 1
     assert values["dllm_tokens_per_forward"] > 0
     assert values["dllm_request_latency_seconds_count"] >= 1 and "dllm_queue_depth" in values
     assert 'dllm_request_latency_seconds_bucket{le="+Inf"}' in values
+    assert values["dllm_engine_steps_total"] > before.get("dllm_engine_steps_total", 0)
+    busy, held = (values[f"dllm_engine_{name}_seconds_total"] - before.get(f"dllm_engine_{name}_seconds_total", 0)
+                  for name in ("busy", "held"))
+    assert 0 < busy <= held  # it decoded while it held the request, and held it a little longer
+    for gauge in ("dllm_batch_rows", "dllm_engine_busy", "dllm_engine_steps_per_second"):
+        assert gauge in values
 
 
 def test_a_client_that_disconnects_stops_its_row(server):
-    """A long streamed answer (7 blocks, one token per step, no cache) whose client leaves after the first block:
-    its row stops decoding and leaves the batch long before the answer would have been complete."""
-    engine = server.engine
+    """A long streamed answer (7 blocks, one token per step, no cache) whose client leaves after its first block:
+    the engine stops its row long before the answer would have been complete (the tokens it committed say so)."""
     metric = 'dllm_requests_total{endpoint="chat",outcome="cancelled"}'
-
-    def cancelled():
-        with urllib.request.urlopen(server.url + "/metrics") as r:
-            return sum(float(line.split(" ")[1]) for line in r.read().decode().splitlines() if line.startswith(metric))
-
-    before = cancelled()
-    conn, _ = sse(server.url, chat("copy: abcd", gen_length=224, block_length=32, ignore_eos=True))
-    while not engine.jobs:
-        time.sleep(0.01)
-    (row, job), = engine.jobs.items()
-    time.sleep(0.3)  # decoding its first block
+    before = metric_values(server.url)
+    conn, events = sse(server.url, chat("reverse: hello123", gen_length=224, block_length=32, ignore_eos=True))
+    next(events)  # the first block's text ("0000": the rest of the answer is all stop tokens, which go on decoding)
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
-    while engine.jobs:
-        time.sleep(0.01)
-    assert job.cancelled and cancelled() == before + 1
-    assert row.decoded <= 2 * 32  # it left the batch within a block of the disconnect, not after 7 blocks
+    deadline = time.monotonic() + 60
+    while (values := metric_values(server.url))["dllm_batch_rows"] or values.get(metric, 0) == before.get(metric, 0):
+        assert time.monotonic() < deadline, values
+        time.sleep(0.1)
+    assert values.get(metric, 0) == before.get(metric, 0) + 1
+    committed = values["dllm_committed_tokens_total"] - before["dllm_committed_tokens_total"]
+    assert 32 <= committed < 224 / 2, committed  # it stopped within about a block of the disconnect, not at 7 blocks
 
 
 @pytest.mark.parametrize("args,message", [
@@ -373,40 +466,6 @@ def test_serve_refuses_to_start_what_cannot_answer(args, message):
                               timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
     assert message.replace("{taken}", port) in proc.stderr
-
-
-def test_sigterm_finishes_requests_in_flight_and_refuses_new_ones(tiny, tmp_path):
-    model, tok = tiny
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "dllm.cli", "serve", "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        for _ in range(600):
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.1)
-        body = chat("reverse: hello123", gen_length=128, ignore_eos=True)
-        answers = []
-        client = threading.Thread(target=lambda: answers.append(post(url + "/v1/chat/completions", body)))
-        client.start()
-        time.sleep(1.0)  # in flight
-        proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
-        with pytest.raises(OSError):  # the listener is closed: new requests are refused
-            urllib.request.urlopen(url + "/health", timeout=5)
-        client.join(timeout=60)
-        assert proc.wait(timeout=60) == -signal.SIGTERM  # uvicorn re-raises the signal after its graceful exit
-    finally:
-        proc.kill()
-    status, answer = answers[0]
-    assert status == 200
-    assert text_of(answer) == dllm.generate(model, tok, "reverse: hello123", gen_length=128, stop_early=False).texts[0]
 
 
 def test_readme_requests_answer_right(server):
@@ -468,3 +527,5 @@ def test_bench_serve_with_mixed_settings_compares_every_answer(capsys):
     assert result["config"]["repeats"] == 2
     assert [(r["concurrency"], r["errors"], r["mismatches"]) for r in result["rows"]] == [("sequential", 0, 0),
                                                                                          (3, 0, 0)]
+    served = result["rows"][1]  # the engine's share of the time in its decode loop, of the wall and of its work
+    assert 0 < served["busy"] <= 1.05 and 0 < served["busy_while_held"] <= 1.05

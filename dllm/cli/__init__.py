@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--name", default=None, help="model name clients send and /v1/models lists (default: --model)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for requests in flight before cancelling them")
+    s.add_argument("--engine-restart", action="store_true",
+                   help="start a new engine process when the engine fails (at most 3 in 5 minutes; the requests in "
+                        "flight get 503); without it the server exits non-zero")
     add_prefix_cache_flag(s)
     s.add_argument("--replicas", type=int, default=None, metavar="N",
                    help="N engines behind one port on Ray Serve (pip install '.[ray]'), each with its share of "

@@ -1,4 +1,4 @@
-"""`dllm serve` (one process, or replicas on Ray Serve) and `dllm bench-serve`."""
+"""`dllm serve` (an HTTP process and its engine process, or replicas on Ray Serve) and `dllm bench-serve`."""
 from __future__ import annotations
 
 import json
@@ -14,10 +14,12 @@ def serve_defaults(args) -> dict[str, Any]:
     """The server's decoding defaults from the flags, checked before any model loads (cache None: the model's)."""
     try:
         import fastapi  # noqa: F401
+        import msgspec  # noqa: F401
         import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
+        import zmq  # noqa: F401
     except ImportError:
-        raise DllmError(f"dllm {args.command} needs FastAPI, uvicorn and prometheus_client; "
+        raise DllmError(f"dllm {args.command} needs FastAPI, uvicorn, prometheus_client, pyzmq and msgspec; "
                         f"pip install 'dllm-fast[serve]' (from a checkout: pip install -e '.[serve]')") from None
     if args.max_batch < 1:
         raise DllmError(f"--max-batch must be at least 1, got {args.max_batch}")
@@ -25,13 +27,23 @@ def serve_defaults(args) -> dict[str, Any]:
             "steps": args.steps, "seed": args.seed}  # the sampler, cache and LLaDA options (checked) and the lengths
 
 
-def serve_setup(args):
-    """Model, tokenizer and the server's decoding defaults (validated before anything listens)."""
+def serve_setup(args, weights: bool = True):
+    """Model, tokenizer and the server's decoding defaults (validated before anything listens); `weights=False`:
+    the model on the meta device, for the HTTP process's checks."""
     from ..serve.requests import served_defaults
 
     defaults = serve_defaults(args)
-    model, tok = load_model(args)
+    model, tok = engine_spec(args).load(weights) if not weights else load_model(args)
     return model, tok, served_defaults(model, defaults)
+
+
+def engine_spec(args):
+    """The engine process the flags describe."""
+    from ..serve.engine_process import EngineSpec
+
+    return EngineSpec(model=args.model, device=args.device, dtype=args.dtype, threads=args.threads,
+                      quantize=args.quantize, quantize_head=args.quantize_head, max_batch=args.max_batch,
+                      compile=args.compile, prefix_cache_mb=args.prefix_cache_mb)
 
 
 def _check_port(host: str, port: int) -> None:
@@ -49,7 +61,8 @@ def _check_port(host: str, port: int) -> None:
 
 
 def serve_command(args) -> int:
-    from ..serve import Engine, create_app, server
+    from ..serve import EngineClient, create_app, server
+    from ..serve.requests import RequestReader
 
     if args.replicas is not None:
         from ..serve.ray import serve_replicas
@@ -64,11 +77,13 @@ def serve_command(args) -> int:
     if args.ray_address is not None:
         raise DllmError("--ray-address needs --replicas N (the replicas to deploy on that cluster)")
     _check_port(args.host, args.port)
-    model, tok, defaults = serve_setup(args)
-    engine = Engine(model, tok, args.name or args.model, defaults, args.max_batch, args.compile, args.prefix_cache_mb)
+    model, tok, defaults = serve_setup(args, weights=False)  # the weights load in the engine process
+    engine = EngineClient(RequestReader(model, tok, args.name or args.model, defaults, args.compile),
+                          engine_spec(args), restart=args.engine_restart)
     engine.check_defaults()
+    engine.start()
     server(create_app(engine), args.host, args.port, args.shutdown_timeout, engine).run()
-    return 0
+    return 1 if engine.failed else 0
 
 
 def bench_serve_command(args) -> int:
@@ -87,9 +102,8 @@ def bench_serve_command(args) -> int:
         check_writable_file(args.plot, "--plot")
     model, tok, defaults = serve_setup(args)
     mix = {key: json_or_text(value) for key, value in key_values(args.mix, "--mix").items()}
-    result = bench_serve(model, tok, args.model, defaults, args.max_batch, args.requests, levels, args.compile,
-                         prefix_cache_mb=args.prefix_cache_mb, system_prompt_tokens=args.system_prompt_tokens,
-                         mix=mix, repeats=args.repeats)
+    result = bench_serve(model, tok, engine_spec(args), defaults, args.requests, levels,
+                         system_prompt_tokens=args.system_prompt_tokens, mix=mix, repeats=args.repeats)
     if args.plot and not plot_bench(result, args.plot):
         print("note: plot not drawn: matplotlib is missing; pip install 'dllm-fast[plot]'", file=sys.stderr)
     print(json.dumps(result) if args.json else format_bench(result), end="\n" if args.json else "")

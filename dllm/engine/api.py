@@ -10,6 +10,7 @@ from torch import Tensor
 from ..core.checks import check_seed
 from ..core.errors import DllmError
 from ..models import DiffusionLM
+from .canvas import Canvas
 from .checks import check_lengths
 from .logprobs import TokenLogprob, check_logprobs
 from .loop import Batch, Row, decoded
@@ -50,6 +51,7 @@ def _prepare(model: DiffusionLM, tokenizer, prompts, sampler, cache, gen_length,
     ids = encode_prompts(tokenizer, prompts, chat)
     if isinstance(seed, list) and len(seed) != len(ids):
         raise DllmError(f"seed is a list of {len(seed)} seeds for {len(ids)} prompts; give one per prompt or one int")
+    Canvas.check(model, ids, settings.lengths["gen_length"])  # ids outside the vocabulary, before any decodes them
     warn_outside_format(model, tokenizer, ids)
     settings.sampler.prepare(tokenizer)
     return settings, ids

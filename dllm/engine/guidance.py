@@ -1,7 +1,7 @@
 """LLaDA's sampler-independent generation options (ML-GSAI/LLaDA `generate.py`; paper Appendix B.4, the settings
 of its EVAL.md tables): classifier-free guidance, EOS forbidden, EOS and EoT scored last. The runner applies
-the first two to the logits it returns; the loop scores the sampler's step under the third
-(`samplers.base.scoring_without`)."""
+the first two to the logits it returns; the loop gives the third to the sampler's step (`StepContext.unscored`,
+which `token_probability` reads)."""
 from __future__ import annotations
 
 import math

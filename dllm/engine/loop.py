@@ -256,8 +256,7 @@ class Batch:
             ctx = self._context(logits, step, start, end, lo, hi, open_now)
             if step == 0:  # the block-start forward may move the block end (AdaBlock)
                 end = self._move_block_end(ctx)
-            with samplers_mod.scoring_without(self.unscored):  # LLaDA's confidence_eos_eot_inf
-                out = self.stacked.step(ctx)
+            out = self.stacked.step(ctx)
             commit, added, checks, reused = self._write(ctx, out, lo, hi)
             committed += added
             self._after_step(ctx, out, commit, counted)
@@ -340,6 +339,7 @@ class Batch:
             nfe=self.stats.nfe - 1, total_steps=self.total_steps, block_start=start, block_end=end,
             prompt_length=canvas.prompt_length, state=self.state, editable=editable, family=self.family,
             config=self.model.config, extra_logits=extra_logits,
+            unscored=self.unscored,
             forward=partial(self._verify, step, start, end, lo, hi) if sampler.drafts else None)
 
     def _window(self, lo: int, hi: int, start: int, end: int) -> tuple[Tensor, Tensor]:

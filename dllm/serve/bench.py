@@ -1,5 +1,5 @@
 """`dllm bench-serve`: the server's throughput and latency against sequential `dllm.generate`, every served answer
-compared with its sequential one; a table and a plot."""
+compared with its sequential one, and the share of the time its engine spent decoding; a table and a plot."""
 from __future__ import annotations
 
 import json
@@ -13,28 +13,32 @@ import torch
 
 from ..engine.text import encode_text
 from .client import load, post
+from .engine_client import EngineClient
+from .engine_process import EngineSpec
 from .http import LocalServer
-from .scheduler import Engine
+from .requests import RequestReader
 
 
-def bench_serve(model, tokenizer, name: str, defaults: dict[str, Any], max_batch: int = 8, requests: int = 64,
-                concurrency: tuple[int, ...] = (1, 4, 16), compile: bool = False, seed: int = 0,
-                prefix_cache_mb: float = 0, system_prompt_tokens: int = 0, mix: dict[str, Any] | None = None,
-                repeats: int = 1) -> dict:
+def bench_serve(model, tokenizer, spec: EngineSpec, defaults: dict[str, Any], requests: int = 64,
+                concurrency: tuple[int, ...] = (1, 4, 16), seed: int = 0, system_prompt_tokens: int = 0,
+                mix: dict[str, Any] | None = None, repeats: int = 1) -> dict:
     """Throughput and latency of `requests` chat requests (synthetic tasks; with `system_prompt_tokens`, all after
-    one shared system message of that length) at each client concurrency against a loopback server, and of the same
-    prompts decoded one after another with `dllm.generate`; every served answer is compared with its sequential
-    one. `rows` counts the token rows the network computed per layer (what a prefix cache saves). `mix`: body
-    fields every other request sends (e.g. {"threshold": 0.5}: half the requests at another threshold,
-    interleaved). `repeats`: rounds per concurrency, each a sequential pass then a served one, so that a shared
-    machine's changing load hits both alike; a level's speedup is the median of its rounds' ratios, its tokens/s
-    the median round's. The client threads run in a process of their own, as real clients do, so that they do not
-    hold the server's GIL against its engine thread."""
+    one shared system message of that length) at each client concurrency against a loopback server (its engine a
+    process of its own, as `spec` says), and of the same prompts decoded one after another with `dllm.generate`
+    on `model` in this process; every served answer is compared with its sequential one. `rows` counts the token
+    rows the network computed per layer (what a prefix cache saves); `busy` is the share of the served wall time
+    the engine spent inside its decode loop, `busy_while_held` its share of the time the engine held a request
+    (the decode loop's own efficiency: the rest of the time no request had reached it). `mix`: body fields every other request sends (e.g. {"threshold":
+    0.5}: half the requests at another threshold, interleaved). `repeats`: rounds per concurrency, each a
+    sequential pass then a served one, so that a shared machine's changing load hits both alike; a level's speedup
+    and busy share are the medians of its rounds', its tokens/s the median round's. The client threads run in a
+    process of their own, as real clients do."""
     from ..engine import generate
     from ..eval.synthetic import FAMILIES, make_split
 
     prompts = [ex.prompt for ex in make_split("test", -(-requests // len(FAMILIES)), seed=seed)][:requests]
-    engine = Engine(model, tokenizer, name, defaults, max_batch, compile, prefix_cache_mb)
+    name, compile = spec.model, spec.compile
+    engine = EngineClient(RequestReader(model, tokenizer, name, defaults, compile), spec)
     system = [{"role": "system", "content": system_prompt(tokenizer, system_prompt_tokens)}] if system_prompt_tokens \
         else []
     bodies = [{"messages": [*system, {"role": "user", "content": p}], **((mix or {}) if i % 2 else {})}
@@ -63,27 +67,33 @@ def bench_serve(model, tokenizer, name: str, defaults: dict[str, Any], max_batch
             rounds, computed = [], rows_computed(engine)
             for _ in range(repeats):
                 alone.append(sequential_seconds())
+                busy, held = busy_seconds(engine), held_seconds(engine)
                 served = clients.submit(load, local.url + "/v1/chat/completions", bodies, level).result()
+                served["busy"] = (busy_seconds(engine) - busy) / served["seconds"]
+                served["busy_while_held"] = (busy_seconds(engine) - busy) / (held_seconds(engine) - held)
                 rounds.append((alone[-1], served))
             rows.append({**_served_row(level, rounds, want, tokens),
                          "rows": (rows_computed(engine) - computed) // layers // repeats})
     seconds = statistics.median(alone)
     rows.insert(0, {"concurrency": "sequential", "seconds": seconds, "requests_per_s": len(prompts) / seconds,
-                    "tokens_per_s": tokens / seconds, "p50_s": None, "p99_s": None, "speedup": 1.0, "errors": 0,
-                    "mismatches": 0, "rows": sum(sum(g.stats.rows_per_layer) for g in sequential) // layers})
+                    "tokens_per_s": tokens / seconds, "p50_s": None, "p99_s": None, "speedup": 1.0, "busy": None,
+                    "busy_while_held": None,
+                    "errors": 0, "mismatches": 0,
+                    "rows": sum(sum(g.stats.rows_per_layer) for g in sequential) // layers})
     config = {"model": name, "sampler": jobs[0].sampler.name, "cache": jobs[0].cache.name, **jobs[0].lengths,
-              "mix": mix or {}, "max_batch": max_batch, "requests": len(prompts), "repeats": repeats,
+              "mix": mix or {}, "max_batch": spec.max_batch, "requests": len(prompts), "repeats": repeats,
               "device": str(model.device), "threads": torch.get_num_threads(),
-              "threads_chosen_by": model.threads.get("chosen_by"), "prefix_cache_mb": prefix_cache_mb,
+              "threads_chosen_by": model.threads.get("chosen_by"), "prefix_cache_mb": spec.prefix_cache_mb,
               "prompt_tokens": sum(len(job.ids) for job in jobs) / len(jobs), "system_prompt_tokens": system_prompt_tokens}
-    if engine.prefix is not None:
-        config["prefix_cache_hit_tokens"] = engine.prefix.hits
+    if spec.prefix_cache_mb:
+        config["prefix_cache_hit_tokens"] = engine.metrics.last.prefix.hits
     return {"config": config, "rows": rows}
 
 
 def _served_row(level: int, rounds: list[tuple[float, dict]], want: list[str], tokens: int) -> dict:
     """One concurrency's row from its rounds (sequential seconds, served run): the median round's throughput, the
-    median of the rounds' speedups, latencies over all rounds, errors and differing answers summed."""
+    medians of the rounds' speedups and busy shares, latencies over all rounds, errors and differing answers
+    summed."""
     ratios, throughputs, latencies, errors, mismatches = [], [], [], 0, 0
     for seconds, run in rounds:
         ok = [(answer, latency) for status, answer, latency in run["results"] if status == 200]
@@ -100,11 +110,23 @@ def _served_row(level: int, rounds: list[tuple[float, dict]], want: list[str], t
     return {"concurrency": level, "seconds": seconds, "requests_per_s": requests_per_s, "tokens_per_s": tokens_per_s,
             "p50_s": latencies[len(latencies) // 2],
             "p99_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
-            "speedup": statistics.median(ratios), "errors": errors, "mismatches": mismatches}
+            "speedup": statistics.median(ratios), "busy": statistics.median(run["busy"] for _, run in rounds),
+            "busy_while_held": statistics.median(run["busy_while_held"] for _, run in rounds),
+            "errors": errors, "mismatches": mismatches}
 
 
-def rows_computed(engine: Engine) -> int:
+def rows_computed(engine: EngineClient) -> int:
     return int(engine.metrics.registry.get_sample_value("dllm_rows_computed_total"))
+
+
+def busy_seconds(engine: EngineClient) -> float:
+    """Seconds the engine has spent inside its decode loop (as its last outputs said)."""
+    return engine.metrics.registry.get_sample_value("dllm_engine_busy_seconds_total")
+
+
+def held_seconds(engine: EngineClient) -> float:
+    """Seconds the engine has held at least one request."""
+    return engine.metrics.registry.get_sample_value("dllm_engine_held_seconds_total")
 
 
 SYSTEM_TEXT = "you are a careful assistant. read the task, then answer with the result alone, exactly as asked. "
@@ -125,13 +147,16 @@ def format_bench(result: dict) -> str:
     lines = [f"{c['model']} {c['sampler']}/{c['cache']} gen {c['gen_length']} block {c['block_length']}{mix} | "
              f"max batch {c['max_batch']} | {c['requests']} requests x {c.get('repeats', 1)} rounds, prompts of "
              f"{c['prompt_tokens']:.0f} tokens{prefix} | {c['device']}, {c['threads']} threads",
-             f"{'clients':>10} {'req/s':>7} {'tok/s':>8} {'p50 s':>7} {'p99 s':>7} {'speedup':>8} {'errors':>6} "
-             f"{'differ':>6} {'rows':>8}"]
+             f"{'clients':>10} {'req/s':>7} {'tok/s':>8} {'busy':>5} {'held':>5} {'p50 s':>7} {'p99 s':>7} "
+             f"{'speedup':>8} {'errors':>6} {'differ':>6} {'rows':>8}"]
     for r in result["rows"]:
         p50 = "-" if r["p50_s"] is None else f"{r['p50_s']:.3f}"
         p99 = "-" if r["p99_s"] is None else f"{r['p99_s']:.3f}"
-        lines.append(f"{r['concurrency']:>10} {r['requests_per_s']:7.2f} {r['tokens_per_s']:8.1f} {p50:>7} "
-                     f"{p99:>7} {r['speedup']:7.2f}x {r['errors']:6d} {r['mismatches']:6d} {r['rows']:8d}")
+        busy, held = ("-" if r.get(k) is None else f"{r[k]:.0%}" for k in ("busy", "busy_while_held"))
+        lines.append(f"{r['concurrency']:>10} {r['requests_per_s']:7.2f} {r['tokens_per_s']:8.1f} {busy:>5} {held:>5} "
+                     f"{p50:>7} {p99:>7} {r['speedup']:7.2f}x {r['errors']:6d} {r['mismatches']:6d} {r['rows']:8d}")
+    lines.append("busy: the engine's share of the served wall time inside its decode loop; held: of the time it held a "
+                 "request")
     return "\n".join(lines) + "\n"
 
 

@@ -1,18 +1,22 @@
-"""The HTTP face of the engine (FastAPI + uvicorn, extra `serve`): the OpenAI endpoints, server-sent events, body
-limits, and a uvicorn server whose SIGTERM drains the engine first."""
+"""The HTTP process's face (FastAPI + uvicorn, extra `serve`): the OpenAI endpoints, server-sent events, body
+limits, and a uvicorn server whose SIGTERM drains the engine first. The engine runs in a process of its own
+(`engine_client`)."""
 import asyncio
 import json
+import signal
 import threading
 import time
 
 from ..core.errors import DllmError
+from .bodies import ChatRequest, CompletionRequest
+from .engine_client import EngineClient, Unavailable
 from .logprobs import LogprobsFormat
 from .requests import Job
-from .scheduler import Engine, ShuttingDown
 
 
-def create_app(engine: Engine):
-    """The FastAPI application over `engine` (started and stopped with the app's lifespan)."""
+def create_app(engine: EngineClient):
+    """The FastAPI application over `engine` (started before; its delivery starts with the app's lifespan, which
+    stops the engine at its end)."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
@@ -20,26 +24,15 @@ def create_app(engine: Engine):
 
     @asynccontextmanager
     async def lifespan(app):
-        engine.start()
+        engine.attach(asyncio.get_running_loop())
         yield
-        engine.stop()
+        await engine.close()
 
     app = FastAPI(title="dllm", lifespan=lifespan)
+    app.openapi = lambda: app.openapi_schema or _openapi(app)
 
     def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
         return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
-
-    def feed(job: Job, event: dict) -> None:
-        """An engine event, on the event loop: a block's ids become the job's text events (`Job.read`)."""
-        if job.complete:  # a stop string ended it; the engine's later blocks are not the answer's
-            return
-        events = [event] if event["kind"] == "error" else job.read(engine.tokenizer, event["ids"], event["done"],
-                                                                     event["reason"], event["logprobs"])
-        for e in events:
-            job.events.put_nowait(e)
-            if e["kind"] == "done":
-                engine.metrics.answered("chat" if job.chat else "completions", e["usage"],
-                                        time.perf_counter() - job.submitted)
 
     async def answer(request: Request, chat: bool):
         raw = await _read_body(request)
@@ -56,18 +49,17 @@ def create_app(engine: Engine):
         except DllmError as e:
             engine.metrics.requests.labels("chat" if chat else "completions", "bad_request").inc()
             return error(400, str(e))
-        loop, job.events = asyncio.get_running_loop(), asyncio.Queue()
-        job.emit = lambda event: loop.call_soon_threadsafe(feed, job, event)
+        job.events = asyncio.Queue()
         try:
             engine.submit(job)
-        except ShuttingDown as e:
+        except Unavailable as e:
             return error(503, str(e), "unavailable")
         base = {"id": ("chatcmpl-" if chat else "cmpl-") + job.id, "created": int(job.created), "model": engine.name}
         logprobs = LogprobsFormat(engine.tokenizer, chat)
         if job.stream:
-            return StreamingResponse(_sse(job, base, chat, request, logprobs), media_type="text/event-stream")
+            return StreamingResponse(_sse(engine, job, base, chat, request, logprobs), media_type="text/event-stream")
         while True:
-            event = await _next_event(job, request)
+            event = await _next_event(engine, job, request)
             if event is None:
                 return Response(status_code=499)
             if event["kind"] == "error":
@@ -83,11 +75,11 @@ def create_app(engine: Engine):
                                             "choices": [choice], "usage": event["usage"]}),
                                 media_type="application/json")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request):
         return await answer(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatRequest))
     async def chat_completions(request: Request):
         return await answer(request, chat=True)
 
@@ -97,9 +89,8 @@ def create_app(engine: Engine):
 
     @app.get("/health")
     async def health():
-        if engine.draining:
-            return error(503, "shutting down", "unavailable")
-        return {"status": "ok", "waiting": len(engine.waiting), "running": len(engine.jobs)}
+        status, answer = engine.health()
+        return answer if status == 200 else error(status, answer, "unavailable")
 
     @app.get("/metrics")
     async def metrics():
@@ -108,9 +99,32 @@ def create_app(engine: Engine):
     return app
 
 
+def _body_schema(model) -> dict:
+    """A route's request body in /openapi.json: `model` (the handler reads and checks the raw body itself, so that a
+    body too large is refused before it is read and a bad one gets our one-line 400)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def _openapi(app) -> dict:
+    """FastAPI's schema, with the request body models (and the models they use) among its components."""
+    from fastapi.openapi.utils import get_openapi
+
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for model in (CompletionRequest, ChatRequest):
+        described = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(described.pop("$defs", {}))
+        components[model.__name__] = described
+    app.openapi_schema = schema
+    return schema
+
+
 MAX_BODY_BYTES = 4 << 20  # far past any prompt a model's context holds
 
 INLINE_BYTES = 16 << 10  # bodies up to this are read on the event loop
+
+ANSWER_SECONDS = 5.0  # after the engine's drain deadline, for its 503s to reach their clients
 
 
 async def _read_body(request) -> bytes | None:
@@ -126,7 +140,7 @@ async def _read_body(request) -> bytes | None:
     return bytes(body)
 
 
-async def _next_event(job: Job, request) -> dict | None:
+async def _next_event(engine: EngineClient, job: Job, request) -> dict | None:
     """The job's next event; None (and the job cancelled: its row stops at the next step) once the client has
     gone. A cancelled handler (a proxy in front, e.g. Ray Serve's, that saw the client go) cancels the job too."""
     while True:
@@ -134,14 +148,14 @@ async def _next_event(job: Job, request) -> dict | None:
             return await asyncio.wait_for(job.events.get(), timeout=0.25)
         except asyncio.TimeoutError:
             if await request.is_disconnected():
-                job.cancelled = True
+                engine.cancel(job)
                 return None
         except asyncio.CancelledError:
-            job.cancelled = True
+            engine.cancel(job)
             raise
 
 
-async def _sse(job: Job, base: dict, chat: bool, request, logprobs: LogprobsFormat):
+async def _sse(engine: EngineClient, job: Job, base: dict, chat: bool, request, logprobs: LogprobsFormat):
     """Server-sent events: a chunk per decoded block (with its tokens' logprobs when asked), then the finish reason
     (and usage, and the logprobs of tokens whose text was not sent: a stop string's), then [DONE]."""
     kind = "chat.completion.chunk" if chat else "text_completion"
@@ -156,7 +170,7 @@ async def _sse(job: Job, base: dict, chat: bool, request, logprobs: LogprobsForm
 
     try:
         while True:
-            event = await _next_event(job, request)
+            event = await _next_event(engine, job, request)
             if event is None:
                 return
             if event["kind"] == "delta":
@@ -170,29 +184,48 @@ async def _sse(job: Job, base: dict, chat: bool, request, logprobs: LogprobsForm
         yield "data: [DONE]\n\n"
     finally:
         if not job.complete:
-            job.cancelled = True  # the client went away: its row stops at the next step
+            engine.cancel(job)  # the client went away: its row stops at the next step
 
 
-def server(app, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: float = 30.0, engine: Engine | None = None,
-           log_level: str = "info"):
-    """A uvicorn server for `app` whose SIGTERM/SIGINT first makes `engine` refuse new requests, then lets
-    in-flight ones finish (at most `shutdown_timeout` seconds)."""
+def server(app, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: float = 30.0,
+           engine: EngineClient | None = None, log_level: str = "info"):
+    """A uvicorn server for `app`. SIGTERM/SIGINT: new requests get 503, the engine lets those in flight finish for
+    at most `shutdown_timeout` seconds (then answers them 503) and exits, then the server exits 0 (uvicorn would
+    re-raise the signal); uvicorn itself waits `ANSWER_SECONDS` more for those answers to go out. An engine that
+    fails for good stops the server too (`engine.failed`: `dllm serve` exits 1)."""
     import uvicorn
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
             if engine is not None:
-                engine.draining = True
+                engine.drain_soon(shutdown_timeout)
             super().handle_exit(sig, frame)
 
-    return Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                 timeout_graceful_shutdown=shutdown_timeout))
+        def run(self, sockets=None):
+            # uvicorn re-raises the signal it caught once it has shut down, under the handlers it found: with ours
+            # the process ends with its own status, not the signal's
+            main = threading.current_thread() is threading.main_thread()
+            found = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)} \
+                if main else {}
+            try:
+                return super().run(sockets)
+            finally:
+                for sig, handler in found.items():
+                    signal.signal(sig, handler)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=shutdown_timeout + (ANSWER_SECONDS if engine else 0))
+    served = Server(config)
+    if engine is not None:
+        engine.on_fatal = lambda: setattr(served, "should_exit", True)
+    return served
 
 
 class LocalServer:
-    """`create_app(engine)` served on a free loopback port from a background thread (tests, `dllm bench-serve`)."""
+    """`create_app(engine)` served on a free loopback port from a background thread (tests, `dllm bench-serve`); the
+    engine is started first where it has not been."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: EngineClient):
         import socket
 
         self.engine = engine
@@ -203,6 +236,8 @@ class LocalServer:
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> "LocalServer":
+        if self.engine.state == "new":
+            self.engine.start()
         self.thread.start()
         while not self.server.started:
             if not self.thread.is_alive():

@@ -1,4 +1,9 @@
-"""The server's Prometheus metrics (prometheus_client, extra `serve`), one registry per engine."""
+"""The server's Prometheus metrics (prometheus_client, extra `serve`), one registry per server: the HTTP process's
+own (requests, tokens sent, latencies) and the engine process's numbers, which arrive with its outputs
+(`messages.Stats`)."""
+from __future__ import annotations
+
+from .messages import Stats
 
 BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)  # seconds
 
@@ -11,19 +16,30 @@ METRICS = (  # attribute, kind, name, description, labels
     ("rows_computed", "counter", "dllm_rows_computed", "Token rows the network computed, summed over layers", ()),
     ("tokens_per_forward", "gauge", "dllm_tokens_per_forward", "Committed tokens per forward (all rows), since start",
      ()),
-    ("queue", "gauge", "dllm_queue_depth", "Requests waiting for a batch slot", ()),
-    ("rows", "gauge", "dllm_batch_rows", "Rows in the running batches", ()),
+    ("queue", "gauge", "dllm_queue_depth", "Requests waiting in the engine for a batch slot", ()),
+    ("rows", "gauge", "dllm_batch_rows", "Rows in the engine's running batches", ()),
     ("batches", "gauge", "dllm_batches", "Running batches (one per kind of request: sampler, cache, layout)", ()),
+    ("steps", "counter", "dllm_engine_steps", "Decoding steps the engine ran", ()),
+    ("steps_per_second", "gauge", "dllm_engine_steps_per_second", "Engine steps per second, over its last second",
+     ()),
+    ("busy_seconds", "counter", "dllm_engine_busy_seconds", "Seconds the engine spent inside the decode loop "
+     "(Batch.run_block: the rows' layout, forwards, sampler steps, the waits for the device)", ()),
+    ("held_seconds", "counter", "dllm_engine_held_seconds", "Seconds the engine held at least one request (waiting "
+     "or running): busy_seconds over this is its busy share while requests wait", ()),
+    ("busy", "gauge", "dllm_engine_busy", "Share of the engine's last second spent inside the decode loop", ()),
+    ("restarts", "counter", "dllm_engine_restarts", "Engines started anew after a failure (--engine-restart)", ()),
     ("latency", "histogram", "dllm_request_latency_seconds", "Request latency, submit to last block", ()),
     ("first_block", "histogram", "dllm_first_block_seconds", "Submit to the first final block", ()),
 )
 
+ENGINE_COUNTERS = ("committed", "forwards", "rows_computed", "steps", "busy_seconds", "held_seconds")  # `Stats`'s
+
 
 class Metrics:
     """Prometheus metrics of one server (its own registry), an attribute per row of `METRICS`, and the prefix
-    cache's counters where it has one."""
+    cache's counters where the engine has one."""
 
-    def __init__(self, prefix_cache=None):
+    def __init__(self, with_prefix_cache: bool = False):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         kinds = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
@@ -31,8 +47,10 @@ class Metrics:
         for attribute, kind, name, description, labels in METRICS:
             extra = {"buckets": BUCKETS} if kind == "histogram" else {}
             setattr(self, attribute, kinds[kind](name, description, labels, registry=self.registry, **extra))
-        if prefix_cache is not None:
-            self.registry.register(_PrefixCacheCollector(prefix_cache))
+        self.last = Stats()  # the engine's numbers as last counted
+        self.committed_total = self.forwards_total = 0
+        if with_prefix_cache:
+            self.registry.register(_PrefixCacheCollector(self))
 
     def answered(self, endpoint: str, usage: dict, seconds: float) -> None:
         """Count a complete answer."""
@@ -41,6 +59,27 @@ class Metrics:
         self.latency.observe(seconds)
         self.requests.labels(endpoint, "ok").inc()
 
+    def engine(self, stats: Stats) -> None:
+        """The engine's latest numbers: its counters advance by what they grew since the last, its gauges are set."""
+        for name in ENGINE_COUNTERS:
+            grown = getattr(stats, name) - getattr(self.last, name)
+            if grown > 0:
+                getattr(self, name).inc(grown)
+        self.committed_total += max(stats.committed - self.last.committed, 0)
+        self.forwards_total += max(stats.forwards - self.last.forwards, 0)
+        self.tokens_per_forward.set(self.committed_total / self.forwards_total if self.forwards_total else 0.0)
+        self.queue.set(stats.waiting)
+        self.rows.set(stats.rows)
+        self.batches.set(stats.batches)
+        self.busy.set(stats.busy)
+        self.steps_per_second.set(stats.steps_per_s)
+        self.last = stats
+
+    def engine_restarted(self) -> None:
+        """A new engine counts from zero."""
+        self.last = Stats()
+        self.restarts.inc()
+
     def text(self) -> bytes:
         from prometheus_client import generate_latest
 
@@ -48,15 +87,17 @@ class Metrics:
 
 
 class _PrefixCacheCollector:
-    """The prefix cache's counters (`cache.PrefixBlocks`), read at each scrape."""
+    """The prefix cache's counters (`cache.PrefixBlocks` in the engine), as its last numbers said."""
 
-    def __init__(self, prefix):
-        self.prefix = prefix
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
 
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        p = self.prefix
+        p = self.metrics.last.prefix
+        if p is None:
+            return
         yield CounterMetricFamily("dllm_prefix_cache_queried_tokens", "Tokens of whole blocks before rows' current "
                                   "blocks looked up at each batch layout", value=p.queried)
         yield CounterMetricFamily("dllm_prefix_cache_hit_tokens", "Of those, tokens whose keys and values were "
@@ -64,4 +105,4 @@ class _PrefixCacheCollector:
         yield CounterMetricFamily("dllm_prefix_cache_evicted_blocks", "Blocks evicted (least recently used)",
                                   value=p.evicted)
         yield GaugeMetricFamily("dllm_prefix_cache_bytes", "Bytes of kept keys and values", value=p.nbytes)
-        yield GaugeMetricFamily("dllm_prefix_cache_blocks", "Blocks kept", value=len(p.blocks))
+        yield GaugeMetricFamily("dllm_prefix_cache_blocks", "Blocks kept", value=p.blocks)

@@ -1,9 +1,10 @@
 """`dllm serve` on Ray Serve replicas (extra `ray`): one engine per replica behind one HTTP port, on one machine or a
 cluster.
 
-Each replica is a Ray actor that loads the model and builds its own `Engine` and `create_app(engine)` (through
-`serve.ingress`'s late-bound `__serve_build_asgi_app__`, so the engine and its thread live in the replica);
-Ray runs the app's lifespan, which starts the engine thread, and stops it after the replica's requests drained.
+Each replica is a Ray actor that plays `dllm serve`'s HTTP process: it starts its own engine process (the model
+and the decode loop, a child of the actor's process, on the actor's CPUs or GPU) and builds `create_app(engine)`
+(through `serve.ingress`'s late-bound `__serve_build_asgi_app__`); Ray runs the app's lifespan, which stops the
+engine after the replica's requests drained. A replica whose engine died fails Ray's health check and is replaced.
 `app` is the Ray Serve application builder (`serve run dllm.serve.ray:app key=value ...`, `import_path` of a
 `serve deploy` config); `serve_replicas` is `dllm serve --replicas N [--ray-address ADDR]`. Ray is imported on
 first use only, so this module imports without it."""
@@ -23,9 +24,10 @@ from pydantic import BaseModel, ConfigDict
 from ..core.checks import check_int
 from ..core.errors import DllmError
 from .http import create_app
+from .engine_client import EngineClient
+from .engine_process import EngineSpec
 from .metrics import BUCKETS, METRICS, Metrics
-from .requests import served_defaults
-from .scheduler import Engine
+from .requests import RequestReader, served_defaults
 
 APP_NAME = "dllm"
 
@@ -120,8 +122,8 @@ class _Twin:
 class ReplicaMetrics(Metrics):
     """`Metrics` whose every update also reaches Ray's metrics export (the whole deployment's view)."""
 
-    def __init__(self, prefix_cache=None):
-        super().__init__(prefix_cache)
+    def __init__(self, with_prefix_cache: bool = False):
+        super().__init__(with_prefix_cache)
         from ray.serve import metrics
 
         kinds = {"counter": metrics.Counter, "gauge": metrics.Gauge, "histogram": metrics.Histogram}
@@ -131,18 +133,18 @@ class ReplicaMetrics(Metrics):
             setattr(self, attribute, _Twin(getattr(self, attribute), remote, labels))
 
 
-def build_engine(o: ReplicaOptions, weights: bool = True) -> Engine:
-    """A replica's model and engine (its thread starts with the app's lifespan). `weights=False` builds it on the
-    meta device, without the weights: every check a replica makes of its options, run before Ray starts."""
-    import dllm
-
+def build_engine(o: ReplicaOptions, metrics: Metrics | None = None) -> EngineClient:
+    """A replica's engine client, its requests checked on the model without its weights: every check a replica
+    makes of its options, which the driver also runs before Ray starts. `start` launches its engine process."""
     # torch threads: the CPUs Ray reserved for this replica (what Ray also puts in OMP_NUM_THREADS)
-    model, tok = dllm.load(o.model, device=o.device, dtype=o.dtype, threads=o.threads, quantize=o.quantize,
-                           quantize_head=o.quantize_head, weights=weights)
+    spec = EngineSpec(model=o.model, device=o.device, dtype=o.dtype, threads=o.threads, quantize=o.quantize,
+                      quantize_head=o.quantize_head, max_batch=o.max_batch, compile=o.compile,
+                      prefix_cache_mb=o.prefix_cache_mb)
+    model, tok = spec.load(weights=False)
     defaults = served_defaults(model, o.model_dump(include={
         "sampler", "sampler_args", "cache", "cache_args", "gen_length", "block_length", "steps", "seed",
         "cfg_scale", "logits_eos_inf", "confidence_eos_eot_inf"}))
-    engine = Engine(model, tok, o.name or o.model, defaults, o.max_batch, o.compile, o.prefix_cache_mb)
+    engine = EngineClient(RequestReader(model, tok, o.name or o.model, defaults, o.compile), spec, metrics=metrics)
     engine.check_defaults()
     return engine
 
@@ -161,20 +163,21 @@ def _bind_to_the_node_address() -> None:
 
 
 class Replica:
-    """One replica: the model, its engine (the thread starts with the app's lifespan) and the app over it."""
+    """One replica: its engine process (started here: the model loads there) and the app over it."""
 
     def __init__(self, options: dict[str, Any]):
         _bind_to_the_node_address()  # before Ray Serve starts the replica's own server, after this constructor
-        self.engine = build_engine(ReplicaOptions(**options))
-        self.engine.metrics = ReplicaMetrics(self.engine.prefix)
+        o = ReplicaOptions(**options)
+        self.engine = build_engine(o, ReplicaMetrics(with_prefix_cache=bool(o.prefix_cache_mb)))
+        self.engine.start()
 
     def __serve_build_asgi_app__(self):
         return create_app(self.engine)
 
     def check_health(self) -> None:
-        """Ray's periodic health check: a replica whose engine thread died is replaced."""
-        if self.engine.thread.ident is not None and not self.engine.thread.is_alive() and not self.engine.stopping:
-            raise RuntimeError("the engine thread has stopped")
+        """Ray's periodic health check: a replica whose engine process died is replaced."""
+        if self.engine.failed:
+            raise RuntimeError("the engine process has failed")
 
 
 def app(args: dict[str, Any]):
@@ -317,7 +320,7 @@ def serve_replicas(options: dict[str, Any], address: str | None, host: str, port
         cpus = len(os.sched_getaffinity(0))
         options.num_cpus = local_cpus(options.num_replicas, threads, cpus)
         options.device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        build_engine(options, weights=False)
+        build_engine(options)
         _start_local_ray(cpus)
     else:
         options.num_cpus = threads or 1
@@ -325,7 +328,7 @@ def serve_replicas(options: dict[str, Any], address: str | None, host: str, port
         ray, _ = _ray()
         options.device = options.device or ("cuda" if ray.cluster_resources().get("GPU", 0) else "cpu")
         if options.device == "cpu" or torch.cuda.is_available():
-            build_engine(options, weights=False)
+            build_engine(options)
     ray, serve = _ray()
     for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, whose own SIGTERM handler aborts the process
         signal.signal(sig, _stop)

@@ -1,5 +1,7 @@
 """An OpenAI request body to a `Job`: the fields we take, the decoding parameters riding next to them, every check
-that can fail before the request is queued (HTTP 400 with the CLI's one-line message)."""
+that can fail before the request is queued (HTTP 400 with the CLI's one-line message), run in the HTTP process on the
+model without its weights; the job's `message` is what the engine process decodes, and `read` makes the text of the
+tokens it sends back."""
 from __future__ import annotations
 
 import asyncio
@@ -7,7 +9,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ..core.checks import check_int, check_seed
 from ..core.errors import DllmError
@@ -18,6 +20,8 @@ from ..engine.logprobs import check_logprobs
 from ..engine.options import decoding_lengths, lengths_for_answer, settle
 from ..engine.text import answer_text, check_plain_text, encode_prompts, warn_outside_format
 from ..samplers import SAMPLERS
+from . import bodies
+from .messages import Add
 
 OPENAI_FIELDS = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "seed", "stream",
                  "n", "stop", "user", "stream_options", "ignore_eos",  # ignore_eos as vLLM: decode every block
@@ -68,9 +72,9 @@ def _tokens_in_text(tokenizer, ids: list[int], length: int) -> int:
 
 @dataclass
 class Job:
-    """One request: what to decode, and where its events go. The engine thread emits the answer's token ids after
-    each block (`emit`, set by the HTTP layer); `read`, off the engine thread, turns them into text, stop strings,
-    the finish reason and usage."""
+    """One request in the HTTP process: what to decode (`message`, for the engine process) and where its events go.
+    The engine's deltas build `answer` (and `answer_logprobs`) block by block; `read` turns them into text, stop
+    strings, the finish reason and usage."""
 
     ids: list[int]
     lengths: dict[str, int | None]
@@ -81,23 +85,27 @@ class Job:
     stop: list[str]
     stream: bool
     chat: bool
-    key: tuple  # requests with equal keys can share a batch: the sampler's `batch_key`, the cache, the layout
     steps_per_block: int = 0
     stop_early: bool = True
     logprobs: int | None = None  # alternatives per answer token with its log-probability (None: none asked)
     logprobs_sent: int = 0  # answer tokens whose log-probabilities were sent
     guidance: Guidance = Guidance()
-    emit: Callable[[dict], None] | None = None  # the engine's events: {"kind": "block", "ids", "done", "reason",
-    # "logprobs"} or {"kind": "error", "status", "message"}; called on the engine thread
-    events: asyncio.Queue | None = None  # what the HTTP handler reads
-    cancelled: bool = False  # the client has gone: the row stops at the next step
+    events: asyncio.Queue | None = None  # what the HTTP handler reads: {"kind": "delta", "text", "logprobs"},
+    # {"kind": "done", "text", "finish_reason", "usage", "logprobs"} or {"kind": "error", "status", "message"}
     complete: bool = False  # the answer is complete (a stop string, or the engine's last block): the row can stop
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: float = field(default_factory=time.time)
     submitted: float = field(default_factory=time.perf_counter)
     first_block: float | None = None
     text: str = ""  # answer text sent so far
-    delivered: bool = False  # the engine has emitted its last block
+    answer: list[int] = field(default_factory=list)  # the answer's tokens the engine has sent
+    answer_logprobs: list = field(default_factory=list)  # their `TokenLogprob`s (when asked)
+
+    def message(self) -> Add:
+        """What the engine process decodes."""
+        return Add(self.id, self.ids, self.lengths["gen_length"], self.lengths["block_length"], self.steps_per_block,
+                   self.sampler.config(), self.cache.config(), self.guidance.config(), self.seed, self.max_tokens,
+                   self.stop_early, self.logprobs)
 
     def read(self, tokenizer, ids: list[int], done: bool, reason: str, logprobs: list | None = None) -> list[dict]:
         """The events of a block: `ids`, the answer so far (decoded blocks, cut at max_tokens), becomes new text to
@@ -148,19 +156,42 @@ def served_defaults(model, flags: dict[str, Any]) -> dict[str, Any]:
             "cache_args": own["cache"], **settings.guidance.config()}
 
 
+class PreparedSamplers:
+    """One prepared sampler object per configuration (the last 32 used): `prepare` reads the tokenizer once (AdaBlock
+    scans the whole vocabulary, and refuses delimiters it lacks), and a sampler keeps no per-run state, so requests
+    share it. The HTTP process prepares each to check it, the engine process to decode with it."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.samplers: dict[tuple, Any] = {}  # by configuration, least recently used first
+        self.lock = threading.Lock()  # requests are read on several threads
+
+    def __call__(self, sampler):
+        key = tuple(sampler.config().items())
+        with self.lock:
+            known = self.samplers.pop(key, None)
+        if known is None:
+            sampler.prepare(self.tokenizer)
+            known = sampler
+        with self.lock:
+            self.samplers[key] = known
+            while len(self.samplers) > 32:
+                self.samplers.pop(next(iter(self.samplers)))
+        return known
+
+
 class RequestReader:
-    """Reads request bodies into Jobs for one served model: its name, the server's decoding defaults, and one
-    prepared sampler per configuration (the last 32 used)."""
+    """Reads request bodies into Jobs for one served model (its weights need not be loaded): its name, the
+    server's decoding defaults, one prepared sampler per configuration."""
 
     def __init__(self, model, tokenizer, name: str, defaults: dict[str, Any], compile: bool = False):
         self.model, self.tokenizer, self.name, self.defaults, self.compile = model, tokenizer, name, defaults, compile
-        self.samplers: dict[tuple, Any] = {}  # prepared samplers by configuration, least recently used first
-        self.lock = threading.Lock()  # requests are read on several threads
+        self.prepared = PreparedSamplers(tokenizer)
 
     def job(self, body: Any, chat: bool) -> Job:
-        """Validate a request body into a Job (DllmError: the one-line reason)."""
-        if not isinstance(body, dict):
-            raise DllmError("the request body must be a JSON object")
+        """Validate a request body (parsed JSON) into a Job (DllmError: the one-line reason): its types against the
+        endpoint's model (`bodies`), then what types cannot say."""
+        body = bodies.read(body, chat)
         if body.get("model") not in (None, self.name):
             raise DllmError(f"model {body['model']!r} is not served here; this server serves {self.name!r} "
                             f"(GET /v1/models)")
@@ -176,15 +207,10 @@ class RequestReader:
             if body.get(name, neutral) not in (None, neutral) and name not in takes:
                 raise DllmError(f"{name} is not supported by sampler {sampler_name!r} (the sampler decides what to "
                                 f"commit); drop it or send {neutral}")
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise DllmError(f"stream must be true or false, got {stream!r}")
-        ignore_eos = body.get("ignore_eos", False)
-        if not isinstance(ignore_eos, bool):
-            raise DllmError(f"ignore_eos must be true or false, got {ignore_eos!r}")
+        stream, ignore_eos = bool(body.get("stream")), bool(body.get("ignore_eos"))
         stop = body.get("stop") or []
         stop = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        if not all(stop):
             raise DllmError(f"stop must be a string or a list of non-empty strings, got {body.get('stop')!r}")
         logprobs = _logprobs(body, chat)
         ids = self._prompt_ids(body, chat)
@@ -192,9 +218,6 @@ class RequestReader:
                   and k not in LAYOUT_FIELDS and k not in GUIDANCE_FIELDS
                   and k not in ("sampler", "cache", "sampler_args", "cache_args")}
         params.update({k: body[k] for k in ("temperature", *NEUTRAL) if body.get(k) is not None and k in takes})
-        for name in ("sampler_args", "cache_args"):
-            if not isinstance(body.get(name) or {}, dict):
-                raise DllmError(f"{name} must be a JSON object of parameters, got {body[name]!r}")
         d = self.defaults
         same_sampler = body.get("sampler", d["sampler"]) == d["sampler"]
         same_cache = body.get("cache", d["cache"]) == d["cache"]
@@ -216,50 +239,23 @@ class RequestReader:
         sampler.check_gen_length(lengths["gen_length"])
         warn_outside_format(self.model, self.tokenizer, [ids])  # in the server's log
         check_logprobs(logprobs, sampler)
-        sampler = self._prepared(sampler)
+        sampler = self.prepared(sampler)
         block, gen = lengths["block_length"], lengths["gen_length"]
         steps_per_block = (lengths["steps"] or gen) // (gen // block)
-        key = (sampler.batch_key(), tuple(cache.config().items()), block, steps_per_block, not ignore_eos,
-               guidance)
-        if not (sampler.block_local and cache.block_fresh):
-            key += (gen,)  # a batch that runs to its end decodes one layout
-        if cache.rows_coupled:
-            key += (uuid.uuid4().hex,)  # decoded alone, so the answer is the prompt's alone
-        return Job(ids, lengths, max_tokens, seed, sampler, cache, stop, stream, chat, key,
-                   steps_per_block=steps_per_block, stop_early=not ignore_eos, logprobs=logprobs, guidance=guidance)
-
-    def _prepared(self, sampler):
-        """One prepared sampler object per configuration (the last 32 used): `prepare` reads the tokenizer once
-        (AdaBlock scans the whole vocabulary), and a sampler keeps no per-run state, so requests share it."""
-        key = tuple(sampler.config().items())
-        with self.lock:
-            known = self.samplers.pop(key, None)
-        if known is None:
-            sampler.prepare(self.tokenizer)
-            known = sampler
-        with self.lock:
-            self.samplers[key] = known
-            while len(self.samplers) > 32:
-                self.samplers.pop(next(iter(self.samplers)))
-        return known
+        return Job(ids, lengths, max_tokens, seed, sampler, cache, stop, stream, chat, steps_per_block=steps_per_block,
+                   stop_early=not ignore_eos, logprobs=logprobs, guidance=guidance)
 
     def _prompt_ids(self, body: dict, chat: bool) -> list[int]:
         tok = self.tokenizer
         if not chat:
-            prompt = body.get("prompt")
-            if prompt is None:
-                raise DllmError("prompt is missing; give a string (or a list of token ids)")
+            prompt = body["prompt"]
             if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
                 if len(prompt) > 1:
                     raise DllmError("send one prompt per request (got a list of strings)")
                 prompt = prompt[0]
             return encode_prompts(tok, [prompt], chat=False)[0]
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), (str, list))
-                for m in messages):
-            raise DllmError("messages must be a non-empty list of {\"role\": ..., \"content\": \"text\"} objects")
-        messages = [{"role": _role(m["role"], i), "content": _text(m["content"], i)} for i, m in enumerate(messages)]
+        messages = [{"role": _role(m["role"], i), "content": _text(m["content"], i)}
+                    for i, m in enumerate(body["messages"])]
         if getattr(tok, "chat_template", None) is None:
             raise DllmError("this model's tokenizer has no chat template; use /v1/completions")
         for i, m in enumerate(messages):
@@ -280,8 +276,7 @@ def _text(content: str | list, i: int) -> str:
     """A message's text: its content, or its text parts joined by newlines (as OpenAI's SDKs send content)."""
     if isinstance(content, str):
         return content
-    kinds = [part.get("type") if isinstance(part, dict) else type(part).__name__ for part in content]
-    other = next((kind for kind in kinds if kind != "text"), None)
+    other = next((part["type"] for part in content if part["type"] != "text"), None)
     if other is not None:
         raise DllmError(f"message {i}: content part type {other!r} is not supported; send text parts "
                         f"({{\"type\": \"text\", \"text\": ...}}) or a string")
@@ -299,9 +294,6 @@ def _logprobs(body: dict, chat: bool) -> int | None:
             raise DllmError("top_logprobs is a chat field; on /v1/completions send logprobs: k (alternatives per "
                             "token)")
         return check_logprobs(logprobs, name="logprobs")
-    if logprobs not in (None, True, False):
-        raise DllmError(f"logprobs must be true or false on /v1/chat/completions, got {logprobs!r}; send "
-                        f"top_logprobs: k for alternatives")
     if top is not None and not logprobs:
         raise DllmError("top_logprobs needs logprobs: true")
     return check_logprobs(0 if top is None else top, name="top_logprobs") if logprobs else None

@@ -1,36 +1,57 @@
-"""The engine thread: requests join a running batch of their kind between blocks (continuous batching), batches of
-different kinds take blocks in turn, and each block's tokens go to their requests."""
+"""The engine: requests (`messages.Add`) join a running batch of their kind between blocks (continuous batching),
+batches of different kinds take blocks in turn, and after each block every request's newly final tokens go out as a
+`messages.Delta`. It runs in the engine process (`engine_process`) and speaks only in messages."""
 from __future__ import annotations
 
-import threading
 import time
-import warnings
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import Any, Callable
 
 from ..cache import CACHES, PrefixBlocks
 from ..core.checks import check_int
-from ..core.errors import DllmError, DllmNotice
+from ..core.errors import DllmError
+from ..engine.guidance import Guidance
 from ..engine.loop import Batch, Row
-from .metrics import Metrics
-from .requests import Job, RequestReader
+from ..samplers import SAMPLERS
+from .messages import Add, Delta, PrefixStats, Stats
+from .requests import PreparedSamplers
 
 
-class ShuttingDown(Exception):
-    pass
+@dataclass(eq=False)
+class Task:
+    """A request inside the engine: its message, the sampler, cache and LLaDA options built from it, the batch it
+    may share (`key`), and how much of its answer has gone out."""
+
+    add: Add
+    sampler: Any
+    cache: Any
+    guidance: Guidance
+    key: tuple
+    sent: int = 0  # answer tokens sent
+    cancelled: bool = False  # aborted: its row stops at the next step
+    delivered: bool = False  # its last delta has gone out (or it was cancelled): it leaves at the next block
+
+
+def batch_key(sampler, cache, add: Add, guidance: Guidance) -> tuple:
+    """What requests must share to decode as rows of one batch: the sampler's batch-wide settings (`batch_key`), the
+    cache, the block layout and LLaDA's options; their rows differ in per-row sampler settings, seeds, lengths."""
+    key = (sampler.batch_key(), tuple(cache.config().items()), add.block_length, add.steps_per_block,
+           add.stop_early, guidance)
+    if not (sampler.block_local and cache.block_fresh):
+        key += (add.gen_length,)  # a batch that runs to its end decodes one layout
+    if cache.rows_coupled:
+        key += (add.req_id,)  # decoded alone, so the answer is the prompt's alone
+    return key
 
 
 @dataclass(eq=False)
 class Group:
-    """A running batch and its requests, which share a `Job.key` (the sampler's batch-wide settings, the cache, the
-    block layout, LLaDA's options); their rows differ in per-row sampler settings, seeds, lengths and stop strings."""
+    """A running batch and its tasks, which share a key."""
 
     key: tuple
     batch: Batch
-    jobs: dict[Row, Job] = field(default_factory=dict)
+    tasks: dict[Row, Task] = field(default_factory=dict)
 
     @property
     def open(self) -> bool:
@@ -38,146 +59,146 @@ class Group:
         return self.batch.joins_between_blocks or not self.batch.block
 
 
-def _error(error: Exception) -> dict:
-    """The event for a request that `error` ended: 400 with the one-line reason, or 500."""
+def _error(req_id: str, error: Exception) -> Delta:
+    """The delta of a request that `error` ended: 400 with the one-line reason, or 500."""
     if isinstance(error, DllmError):
-        return {"kind": "error", "status": 400, "message": str(error)}
-    return {"kind": "error", "status": 500, "message": f"{type(error).__name__}: {error}"}
+        return Delta(req_id, status=400, message=str(error))
+    return Delta(req_id, status=500, message=f"{type(error).__name__}: {error}")
 
 
 class Engine:
-    """The decode loop's driver. Between blocks it admits waiting jobs, oldest first, into a batch of their key
-    (a new one where none can take them), up to `max_batch` rows in all; then the next batch in turn runs a block,
-    so no kind of request waits behind another unless the engine is full. After each block every row's answer so
-    far goes to its job (`Job.emit`); turning ids into text is left to the HTTP side."""
+    """The decode loop's driver. Between blocks it admits waiting tasks, oldest first, into a batch of their key (a
+    new one where none can take them), up to `max_batch` rows in all; then the next batch in turn runs a block, so
+    no kind of request waits behind another unless the engine is full. After every step `poll` (the engine process's
+    inbox) may abort rows; after each block every row's newly final tokens join `outputs`."""
 
-    def __init__(self, model, tokenizer, name: str, defaults: dict[str, Any], max_batch: int = 8,
-                 compile: bool = False, prefix_cache_mb: float = 0):
+    def __init__(self, model, tokenizer, max_batch: int = 8, compile: bool = False, prefix_cache_mb: float = 0):
         check_int("max_batch", max_batch, 1)
         # kept blocks' keys and values, reused by every request that starts with them (block-causal and causal-prefix
         # models)
         self.prefix = PrefixBlocks(model, prefix_cache_mb) if prefix_cache_mb else None
-        self.model, self.tokenizer, self.name = model, tokenizer, name
-        self.max_batch, self.compile = max_batch, compile
-        self.requests = RequestReader(model, tokenizer, name, defaults, compile)
-        self.metrics = Metrics(self.prefix)
-        self.waiting: deque[Job] = deque()
-        self.cond = threading.Condition()
+        self.model, self.tokenizer, self.max_batch, self.compile = model, tokenizer, max_batch, compile
+        self.prepared = PreparedSamplers(tokenizer)
+        self.waiting: deque[Task] = deque()
+        self.tasks: dict[str, Task] = {}  # every task not yet delivered, by request id
         self.groups: list[Group] = []  # running batches, in the order they take blocks
-        self.draining = self.stopping = False
-        self.forwards = self.committed = 0
-        self.thread = threading.Thread(target=self._run, name="dllm-engine", daemon=True)
+        self.outputs: list[Delta] = []
+        self.poll: Callable[[], None] = lambda: None  # called after every step
+        self.closing = False  # shutting down: new requests are refused
+        self.forwards = self.committed = self.rows_computed = self.steps = 0
+        self.busy_seconds, self.started = 0.0, time.perf_counter()
+        self.held_seconds, self._held_since = 0.0, None  # wall time holding a request; since when it holds one
+        self._window, self._rates = (self.started, 0.0, 0), (0.0, 0.0)  # (since, busy, steps), (busy, steps/s)
 
     @property
-    def jobs(self) -> dict[Row, Job]:
-        """Every running row's job (read from any thread: copies, never iterates what the engine thread changes)."""
-        return {row: job for group in list(self.groups) for row, job in list(group.jobs.items())}
+    def busy(self) -> bool:
+        return bool(self.waiting or self.groups)
 
-    # -- requests ---------------------------------------------------------------------------------------------
-    def job(self, body: Any, chat: bool) -> Job:
-        """Validate a request body into a Job (DllmError: the one-line reason)."""
-        return self.requests.job(body, chat)
-
-    def check_defaults(self) -> None:
-        """Fail now (DllmError) on defaults that would fail every request: they decode a one-token prompt; a
-        prefix cache needs a default cache that keeps finished blocks."""
-        cache = self.requests.defaults["cache"]
-        if self.prefix is not None and not CACHES.get(cache).keeps_final_blocks:
-            raise DllmError(f"--prefix-cache-mb reuses the keys and values cache 'block' keeps; the default cache "
-                            f"{cache!r} recomputes them: use --cache block or drop --prefix-cache-mb")
+    # -- messages ---------------------------------------------------------------------------------------------
+    def add(self, add: Add) -> None:
+        """Queue a request (one that cannot decode is answered with its error at once)."""
+        if self.closing:
+            self.outputs.append(Delta(add.req_id, status=503, message="the server is shutting down; send the "
+                                                                          "request to another instance"))
+            return
         try:
-            with warnings.catch_warnings():  # a one-token prompt is outside any prompt format: not the user's
-                warnings.simplefilter("ignore", DllmNotice)
-                self.job({"prompt": [self.model.config.filler_id]}, chat=False)
-        except DllmError as e:
-            raise DllmError(f"the server's defaults cannot answer any request: {e}") from None
+            task = self._task(add)
+        except Exception as error:  # checked in the HTTP process already; a mismatch of the two is answered
+            self.outputs.append(_error(add.req_id, error))
+            return
+        if not self.tasks:
+            self._held_since = time.perf_counter()
+        self.waiting.append(task)
+        self.tasks[add.req_id] = task
 
-    def submit(self, job: Job) -> None:
-        with self.cond:
-            if self.draining:
-                raise ShuttingDown("the server is shutting down; send the request to another instance")
-            self.waiting.append(job)
-            self.metrics.queue.set(len(self.waiting))
-            self.cond.notify()
+    def abort(self, req_ids: list[str]) -> None:
+        """Stop these requests: a waiting one is dropped at admission, a running row at the next step."""
+        for req_id in req_ids:
+            task = self.tasks.get(req_id)
+            if task is not None:
+                task.cancelled = True
 
-    # -- the engine thread ------------------------------------------------------------------------------------
-    def start(self) -> None:
-        self.thread.start()
+    def end_all(self, status: int, message: str) -> None:
+        """Answer every task not yet delivered with an error; running rows stop at the next step (a deadline
+        passed)."""
+        for group in self.groups:
+            for row, task in group.tasks.items():
+                if not task.delivered:
+                    group.batch.cancel(row)
+        for task in list(self.tasks.values()):
+            self.outputs.append(Delta(task.add.req_id, status=status, message=message))
+            self._finish(task)
+        self.waiting.clear()
 
-    def stop(self) -> None:
-        """Cancel what is left and end the thread (after uvicorn's bounded graceful shutdown)."""
-        with self.cond:
-            self.draining = self.stopping = True
-            for job in list(self.waiting) + list(self.jobs.values()):
-                job.cancelled = True
-            self.cond.notify()
-        self.thread.join(timeout=30)
+    def take(self) -> list[Delta]:
+        out, self.outputs = self.outputs, []
+        return out
 
-    def _run(self) -> None:
-        torch.set_grad_enabled(False)
-        while True:
-            with self.cond:
-                while not (self.waiting or self.groups or self.stopping):
-                    self.cond.wait()
-                if self.stopping and not self.groups:
-                    for job in self.waiting:
-                        job.emit({"kind": "error", "status": 503, "message": "the server is shutting down"})
-                    return
-            self.step()
+    def _task(self, add: Add) -> Task:
+        sampler_config, cache_config = dict(add.sampler), dict(add.cache)
+        sampler = self.prepared(SAMPLERS.create(sampler_config.pop("name"), **sampler_config))
+        cache = CACHES.create(cache_config.pop("name"), **cache_config)
+        guidance = Guidance(**add.guidance)
+        return Task(add, sampler, cache, guidance, batch_key(sampler, cache, add, guidance))
 
+    # -- the loop body ----------------------------------------------------------------------------------------
     def step(self) -> None:
-        """Admit waiting jobs, then run one block of the next batch in turn (the engine thread's loop body)."""
+        """Admit waiting tasks, then run one block of the next batch in turn."""
         self._admit()
         if not self.groups:
             return
         group = self.groups[0]
         try:
             self._block(group)
-        except Exception as error:  # every request of the batch gets the message, once; the server goes on
-            for job in group.jobs.values():
-                self._fail(job, error)
-            group.jobs = {}
+        except Exception as error:  # every request of the batch gets the message, once; the engine goes on
+            for task in group.tasks.values():
+                self._fail(task, error)
+            group.tasks = {}
         self.groups.remove(group)
-        if group.jobs:
+        if group.tasks:
             self.groups.append(group)  # its next block after every other batch's
 
-    def _fail(self, job: Job, error: Exception) -> None:
-        self.metrics.requests.labels(self._endpoint(job), "error").inc()  # counted before it is answered
-        job.emit(_error(error))
+    def _fail(self, task: Task, error: Exception) -> None:
+        self.outputs.append(_error(task.add.req_id, error))
+        self._finish(task)
+
+    def _finish(self, task: Task) -> None:
+        task.delivered = True
+        if self.tasks.pop(task.add.req_id, None) is not None and not self.tasks:
+            self.held_seconds += time.perf_counter() - self._held_since
 
     def _admit(self) -> None:
         """Between blocks: drop finished and cancelled rows, then fill free slots from the queue, oldest first; a
-        job waits only while the engine is full."""
+        task waits only while the engine is full."""
         for group in list(self.groups):
             self._retire(group)
-        with self.cond:
-            free = self.max_batch - sum(len(group.jobs) for group in self.groups)
-            while self.waiting and free > 0:
-                job = self.waiting.popleft()
-                if job.cancelled:
-                    continue
-                group = next((g for g in self.groups if g.key == job.key and g.open), None)
-                try:
-                    if group is None:
-                        group = self._group(job)
-                    row = group.batch.add(job.ids, job.lengths["gen_length"], job.seed, job.sampler, job.logprobs)
-                except Exception as error:  # checked in `job` already; this request alone gets any error left
-                    self._fail(job, error)
-                    continue
-                if not group.jobs:
-                    self.groups.append(group)
-                group.jobs[row] = job
-                free -= 1
-            self.metrics.queue.set(len(self.waiting))
-        self.metrics.rows.set(sum(len(group.jobs) for group in self.groups))
-        self.metrics.batches.set(len(self.groups))
+        free = self.max_batch - sum(len(group.tasks) for group in self.groups)
+        while self.waiting and free > 0:
+            task = self.waiting.popleft()
+            if task.cancelled:
+                self._finish(task)
+                continue
+            group = next((g for g in self.groups if g.key == task.key and g.open), None)
+            try:
+                if group is None:
+                    group = self._group(task)
+                add = task.add
+                row = group.batch.add(add.prompt, add.gen_length, add.seed, task.sampler, add.logprobs)
+            except Exception as error:  # this request alone gets the error
+                self._fail(task, error)
+                continue
+            if not group.tasks:
+                self.groups.append(group)
+            group.tasks[row] = task
+            free -= 1
 
-    def _group(self, job: Job) -> Group:
-        """A new batch for `job`'s kind."""
-        batch = Batch(self.model, job.sampler, job.cache, job.lengths["block_length"], job.steps_per_block,
-                      stop_early=job.stop_early, compile=self.compile,
-                      prefix_cache=self.prefix if job.cache.keeps_final_blocks else None, guidance=job.guidance)
-        group = Group(job.key, batch)
+    def _group(self, task: Task) -> Group:
+        """A new batch for `task`'s kind."""
+        add = task.add
+        batch = Batch(self.model, task.sampler, task.cache, add.block_length, add.steps_per_block,
+                      stop_early=add.stop_early, compile=self.compile,
+                      prefix_cache=self.prefix if task.cache.keeps_final_blocks else None, guidance=task.guidance)
+        group = Group(task.key, batch)
         batch.callback = lambda info: self._step(group)
         return group
 
@@ -185,59 +206,69 @@ class Engine:
         """Take delivered and cancelled rows out of `group` (all at once where rows cannot leave a running batch);
         an empty group ends."""
         batch = group.batch
-        leaving = [row for row, job in group.jobs.items() if job.delivered or job.cancelled]
+        leaving = [row for row, task in group.tasks.items() if task.delivered or task.cancelled]
         if batch.joins_between_blocks:
             for row in leaving:
                 batch.remove(row)
-                del group.jobs[row]
-        elif len(leaving) == len(group.jobs):
-            group.jobs = {}
-        if not group.jobs:
+                del group.tasks[row]
+        elif len(leaving) == len(group.tasks):
+            group.tasks = {}
+        if not group.tasks:
             self.groups.remove(group)
 
     def _step(self, group: Group) -> None:
-        """After every step: the row of a request that is complete (a stop string) or cancelled stops decoding (it
-        leaves at the block's end)."""
-        for row, job in group.jobs.items():
-            if (job.cancelled or job.complete) and not job.delivered:
+        """After every step: read the inbox (`poll`); an aborted request's row stops decoding (it leaves at the
+        block's end)."""
+        self.steps += 1
+        self.poll()
+        for row, task in group.tasks.items():
+            if task.cancelled and not task.delivered:
                 group.batch.cancel(row)
-                job.delivered = True
-                if not job.complete:
-                    self.metrics.requests.labels(self._endpoint(job), "cancelled").inc()
+                self._finish(task)
 
     def _block(self, group: Group) -> None:
-        batch, metrics = group.batch, self.metrics
-        nfe, committed, rows = batch.stats.nfe, batch.stats.gen_tokens, batch.rows_computed
-        batch.run_block()
-        metrics.rows_computed.inc(batch.rows_computed - rows)
+        batch = group.batch
+        nfe, committed, rows, began = batch.stats.nfe, batch.stats.gen_tokens, batch.rows_computed, time.perf_counter()
+        try:
+            batch.run_block()  # (it waits for the device at its end)
+        finally:
+            self.busy_seconds += time.perf_counter() - began
+        self.rows_computed += batch.rows_computed - rows
         self.forwards += batch.stats.nfe - nfe
         self.committed += batch.stats.gen_tokens - committed
-        metrics.forwards.inc(batch.stats.nfe - nfe)
-        metrics.committed.inc(batch.stats.gen_tokens - committed)
-        metrics.tokens_per_forward.set(self.committed / self.forwards if self.forwards else 0.0)
-        now = time.perf_counter()
-        for row, job in group.jobs.items():
-            if job.delivered:
-                continue
-            if job.first_block is None:
-                job.first_block = now
-                metrics.first_block.observe(now - job.submitted)
-            self._deliver(batch, row, job)
+        for row, task in group.tasks.items():
+            if not task.delivered:
+                self._deliver(batch, row, task)
 
-    @staticmethod
-    def _deliver(batch: Batch, row: Row, job: Job) -> None:
-        """Emit `row`'s answer so far (its decoded blocks, cut at max_tokens); at its end the finish reason, and
-        the row stops decoding."""
-        answer, finished = batch.answer(row), batch.done(row)
-        over = job.max_tokens is not None and len(answer) > job.max_tokens
-        ids = answer[:job.max_tokens] if job.max_tokens is not None else answer
-        done = finished or job.max_tokens is not None and len(ids) >= job.max_tokens
+    def _deliver(self, batch: Batch, row: Row, task: Task) -> None:
+        """Send `row`'s answer tokens not sent yet (its decoded blocks, cut at max_tokens); at its end the finish
+        reason, and the row stops decoding."""
+        answer, finished, limit = batch.answer(row), batch.done(row), task.add.max_tokens
+        over = limit is not None and len(answer) > limit
+        ids = answer[:limit] if limit is not None else answer
+        done = finished or limit is not None and len(ids) >= limit
         if done and not finished:
             batch.cancel(row)  # complete at max_tokens: the row stops decoding
-        job.delivered = done
-        job.emit({"kind": "block", "ids": ids, "done": done, "reason": "stop" if row.finished and not over else "length",
-                  "logprobs": None if job.logprobs is None else batch.logprobs(row)[:len(ids)]})
+        start = min(task.sent, len(ids))
+        logprobs = None if task.add.logprobs is None else batch.logprobs(row)[start:len(ids)]
+        reason = None if not done else "stop" if row.finished and not over else "length"
+        self.outputs.append(Delta(task.add.req_id, start, ids[start:], logprobs, reason))
+        task.sent = len(ids)
+        if done:
+            self._finish(task)
 
-    @staticmethod
-    def _endpoint(job: Job) -> str:
-        return "chat" if job.chat else "completions"
+    # -- numbers ----------------------------------------------------------------------------------------------
+    def stats(self) -> Stats:
+        """Gauges, counters, and the busy share and steps per second over the last second (or more)."""
+        now = time.perf_counter()
+        since, busy, steps = self._window
+        if now - since >= 1.0:
+            self._rates = ((self.busy_seconds - busy) / (now - since), (self.steps - steps) / (now - since))
+            self._window = (now, self.busy_seconds, self.steps)
+        p = self.prefix
+        held = self.held_seconds + (now - self._held_since if self.tasks else 0.0)
+        return Stats(waiting=len(self.waiting), rows=sum(len(group.tasks) for group in self.groups),
+                     batches=len(self.groups), forwards=self.forwards, committed=self.committed,
+                     rows_computed=self.rows_computed, steps=self.steps, busy_seconds=self.busy_seconds,
+                     held_seconds=held, seconds=now - self.started, busy=self._rates[0], steps_per_s=self._rates[1],
+                     prefix=None if p is None else PrefixStats(p.queried, p.hits, p.evicted, p.nbytes, len(p.blocks)))
