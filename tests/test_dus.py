@@ -243,26 +243,29 @@ def test_served_requests_with_their_own_thresholds_equal_alone():
     up in its ids, not in its text); one asking for logprobs with a threshold is refused in one line."""
     pytest.importorskip("fastapi")
     from dllm.serve import Engine
+    from dllm.serve.requests import RequestReader
 
     model, tok = loaded("tiny-llada")
     defaults = {"sampler": "dus", "cache": "none", "sampler_args": {}, "cache_args": {}, "gen_length": 64,
                 "block_length": 16, "steps": None, "seed": 0}
-    engine = Engine(model, tok, "tiny-llada", defaults, max_batch=8)
+    reader, engine = RequestReader(model, tok, "tiny-llada", defaults), Engine(model, tok, max_batch=8)
     cases = [(prompt, {"threshold": t}) for prompt, t in zip(PROMPTS, (0.9999, 0.0, 0.99999, 0.9999))]
-    events = {}
-    for prompt, settings in cases:
-        job = engine.job({"messages": [{"role": "user", "content": prompt}], **settings}, chat=True)
-        job.emit = events.setdefault(prompt, []).append
-        engine.submit(job)
+    jobs = {prompt: reader.job({"messages": [{"role": "user", "content": prompt}], **settings}, chat=True)
+            for prompt, settings in cases}
+    for job in jobs.values():
+        engine.add(job.message())
     engine._admit()
     assert len(engine.groups) == 1
+    ids: dict[str, list[int]] = {job.id: [] for job in jobs.values()}
     while engine.groups:
         engine.step()
+        for delta in engine.outputs:
+            ids[delta.req_id][delta.start:] = delta.token_ids
+        engine.outputs.clear()
     for prompt, settings in cases:
-        last = events[prompt][-1]
         want = dllm.generate(model, tok, prompt, sampler="dus", gen_length=64, block_length=16, **settings)
-        assert last["done"] and last["ids"] == want.token_ids[0]
-    assert any(model.config.mask_id in events[prompt][-1]["ids"] for prompt in PROMPTS)
+        assert ids[jobs[prompt].id] == want.token_ids[0]
+    assert any(model.config.mask_id in answer for answer in ids.values())
     with pytest.raises(DllmError, match="leaves the positions it gives up masked"):
-        engine.job({"messages": [{"role": "user", "content": "copy: abcd"}], "threshold": 0.5, "logprobs": True},
+        reader.job({"messages": [{"role": "user", "content": "copy: abcd"}], "threshold": 0.5, "logprobs": True},
                    chat=True)
