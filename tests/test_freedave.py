@@ -33,6 +33,12 @@ class FrozenKV:
     def attention_rows(self, layer, rows):
         return None
 
+    def layer_rows(self, layer, rows, x):
+        return None
+
+    def observe_output(self, rows, x):
+        pass
+
     def update(self, layer, rows, q, k, v):
         if len(self.k) == layer:  # the block-start forward
             self.k.append(k)
