@@ -7,6 +7,7 @@ from __future__ import annotations
 from dllm.core.params import Registry
 
 from .base import Commit, ExtraRows, Sampler, StepContext, scoring_without, stack_rows
+from .daedal import Daedal
 
 SAMPLERS = Registry("sampler", Sampler)
 register = SAMPLERS.register
@@ -15,4 +16,5 @@ register = SAMPLERS.register
 from . import (llada, fastdllm, dream, credit, localleap, prophet, adablock, hierarchy, speculative,  # noqa: E402,F401,I001
                block_diffusion, indel, entropy_bound, eb_sampler, dus, klass, pc_sampler, wino)
 
-__all__ = ["SAMPLERS", "Commit", "ExtraRows", "Sampler", "StepContext", "register", "scoring_without", "stack_rows"]
+__all__ = ["SAMPLERS", "Commit", "Daedal", "ExtraRows", "Sampler", "StepContext", "register", "scoring_without",
+           "stack_rows"]
