@@ -63,7 +63,8 @@ class Daedal(Params):
         super().__post_init__()
         if self.initial_gen_length > self.max_gen_length:
             raise DllmError(f"gen_length auto: initial_gen_length ({self.initial_gen_length}) exceeds max_gen_length "
-                            f"({self.max_gen_length}); lower it or raise max_gen_length")
+                            f"({self.max_gen_length}); lower it (CLI: --length-arg initial_gen_length=N) or raise "
+                            f"max_gen_length")
 
     def limit(self, prompt_length: int, context: int) -> int:
         """The longest answer canvas of a row with a prompt of `prompt_length` tokens."""
