@@ -18,14 +18,18 @@ the block above 0.9, else the most confident one), the sampler `gen_length="auto
 
 Reproduced from the authors' function: the EOS confidence over committed positions too (the EOS tail included),
 divided by `eos_check_tokens` even when fewer positions predict EOS, rounded to float32 before it is compared; the
-EOS tail counted in the answer's length; the truncation at `max_gen_length`; one insertion per row and step;
-blocks from the answer's start, a block without masks skipped without a forward; every stage-1 forward counted (at
-least one, even when nothing can grow). Differences: MASK is never proposed (`samplers.base`), so their fallback for
-a block whose every prediction is MASK never applies and their softmax leaves MASK out; float32 (theirs: CUDA fp16
-autocast); each row decodes as it would alone (theirs attends to a left-padded prompt's padding); the loop stops a
-row once its answer has ended (`stop_early`; theirs decodes every mask); their check that stops the batch when a step
-changes nothing is left out, as it never fires (every row with a mask in its block commits one). `max_gen_length` is
-capped at what the model's context leaves after the row's prompt."""
+EOS tail counted in the answer's length; the truncation at `max_gen_length`; one insertion per row and step, scored
+by the probability of the step's proposal (their Gumbel-noised argmax); blocks from the answer's start, a block
+without masks skipped without a forward; every stage-1 forward counted (at least one, even when nothing can grow).
+Differences: MASK is never proposed (`samplers.base`), so their fallback for a block whose every prediction is MASK
+never applies and their softmax leaves MASK out; float32 (theirs: CUDA fp16 autocast); `threshold` commits at 0.9
+and above (theirs: above); each row decodes as it would alone (theirs attends to a left-padded prompt's padding);
+rows of a batch share the current block, so a row that finished its block waits for the others (theirs has a cursor
+per row: the same tokens, fewer forwards for the batch); the loop stops a row once its answer has ended
+(`stop_early`; theirs decodes every mask); their checks that stop stage 1 when the longest canvas cannot grow and
+stage 2 when a step changes nothing never fire (a row that stops growing never grows again; every row with a mask in
+its block commits one) and are left out. `max_gen_length` is capped at what the model's context leaves after the
+row's prompt."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -127,7 +127,10 @@ def reference_daedal(model, prompts, initial_gen_length=64, max_gen_length=2048,
         for i in range(rows):
             if cursor[i] >= total[i]:
                 continue
-            block = [j for j in range(int(cursor[i]), min(int(cursor[i]) + block_length, int(total[i]))) if masked[i, j]]
+            start = int(cursor[i])
+            block = [j for j in range(start, min(start + block_length, int(total[i]))) if masked[i, j]]
+            if not block:
+                continue
             high = [j for j in block if confidence[i, j] > high_conf_threshold]
             for j in high or [max(block, key=lambda j: confidence[i, j])]:  # torch.sort; ties: the lowest position
                 fill[i, j] = True
@@ -308,9 +311,17 @@ def test_settings_and_the_effective_token_ratio(tiny, tmp_path):
     assert fixed["canvas_tokens_mean"] == 32
 
 
+@pytest.mark.parametrize("sampler", [cls.name for cls in samplers.SAMPLERS if not cls.canvas_may_grow])
+def test_every_other_sampler_is_refused_in_one_line(tiny, sampler):
+    from dllm.engine.options import settle
+
+    with pytest.raises(DllmError, match=f"gen_length auto \\(DAEDAL\\) inserts masks between the steps of sampler "
+                                        f"'{sampler}', which keeps state per position or plans ahead; use one of "
+                                        f"low_confidence, threshold, factor, localleap, eb_sampler$"):
+        settle(tiny[0], sampler, gen_length="auto")
+
+
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(sampler="credit"), "inserts masks between the steps of sampler 'credit', which keeps state per position"),
-    (dict(sampler="random"), "use one of low_confidence, threshold, factor, localleap, eb_sampler"),
     (dict(cache="dual"), "moves the columns whose keys and values cache 'dual' keeps"),
     (dict(compile=True), "changes the canvas's width as it grows"),
     (dict(logits_eos_inf=True), "logits_eos_inf bans EOS"),
@@ -356,6 +367,8 @@ def test_the_cli_grows_answers_and_refuses_commands_of_fixed_lengths(capsys):
     assert out["outputs"][0]["text"] == "#### 21cba"
     assert main(["bench", "--gen-length", "auto"]) == 2
     assert "dllm bench times decoding at one answer length, and --gen-length auto" in capsys.readouterr().err
+    assert main(["serve", "--max-gen-length", "64"]) == 2
+    assert "dllm serve batches requests between blocks at fixed answer lengths" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["generate", "--gen-length", "some", "x"])
     assert "expects a number of tokens or auto, got 'some'" in capsys.readouterr().err

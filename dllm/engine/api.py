@@ -83,10 +83,11 @@ def generate(model: DiffusionLM, tokenizer, prompts, sampler: str | Sampler | No
     gen_length (one token per step for schedule-driven samplers; DiffusionGemma: max_denoising_steps per
     canvas). `gen_length="auto"` lets each answer choose its length (DAEDAL, `samplers.Daedal`: from 64 masks up to
     `max_gen_length`, default 2048 or what the context leaves; a `Daedal` sets its other parameters), decoded with
-    sampler threshold unless one is named (`Generation.canvas_ids` holds each answer's canvas). `callback` is called after every step (see `decode`). `compile` runs the model under
-    `torch.compile` (caches none, prefix, dual, block; the first calls compile, minutes on a CPU for a large
-    model). `logprobs=k` gives every answer token's log-probability under the distribution the sampler
-    drew it from, at the step that committed it, with that distribution's k most probable tokens
+    sampler threshold unless one is named (`Generation.canvas_ids` holds each answer's canvas). `callback` is called
+    after every step (see `decode`). `compile` runs the model under `torch.compile` (caches none, prefix, dual,
+    block; the first calls compile, minutes on a CPU for a large model). `logprobs=k` gives every answer token's
+    log-probability under the distribution the sampler drew it from, at the step that committed it, with that
+    distribution's k most probable tokens
     (`Generation.logprobs`; `dllm.engine.logprobs`). `prefix_cache` (a `dllm.cache.PrefixBlocks`; block-causal
     models, cache `block`) reuses the keys and values of whole blocks an earlier call kept for prompts that start
     the same way (the answers do not change)."""

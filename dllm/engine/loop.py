@@ -533,8 +533,8 @@ def _spliced(t: Tensor, at: int, count: int, fill) -> Tensor:
 
 @torch.no_grad()
 def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache: Cache,
-           gen_length: int | samplers_mod.Daedal,
-           block_length: int, steps: int | None = None, seed: int | list[int] = 0, stop_early: bool = True,
+           gen_length: int | samplers_mod.Daedal, block_length: int, steps: int | None = None,
+           seed: int | list[int] = 0, stop_early: bool = True,
            trace: bool = False, profile: bool = False, callback: Callable[[dict], None] | None = None,
            compile: bool = False, guidance: Guidance = Guidance()) -> tuple[Canvas, Stats, list[dict] | None]:
     """Decode token-id prompts as one fixed batch (every row seeded with `seed`, or row i with `seed[i]`; `gen_length`
@@ -549,17 +549,16 @@ def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache
 
 @torch.no_grad()
 def decoded(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache: Cache,
-            gen_length: int | samplers_mod.Daedal,
-            block_length: int, steps: int | None = None, seed: int | list[int] = 0, stop_early: bool = True,
+            gen_length: int | samplers_mod.Daedal, block_length: int, steps: int | None = None,
+            seed: int | list[int] = 0, stop_early: bool = True,
             trace: bool = False, profile: bool = False, callback: Callable[[dict], None] | None = None,
             compile: bool = False, logprobs: int | None = None, prefix_cache: PrefixBlocks | None = None,
             guidance: Guidance = Guidance()) -> Batch:
     """`decode`'s batch once decoded: its rows' answers and (`logprobs=k`) their log-probabilities; `prefix_cache`
     and `guidance` as `Batch`'s."""
     steps_per_block = check_lengths(gen_length, block_length, steps, uniform=model.config.mask_id is None)
-    auto = isinstance(gen_length, samplers_mod.Daedal)
-    Canvas.check(model, prompts, gen_length.initial_gen_length if auto else gen_length)  # every prompt's error
-    # before any work
+    auto = isinstance(gen_length, samplers_mod.Daedal)  # gen_length auto: the answers start at its initial length
+    Canvas.check(model, prompts, gen_length.initial_gen_length if auto else gen_length)  # each error before any work
     check_logprobs(logprobs)
     batch = Batch(model, sampler, cache, block_length, steps_per_block, stop_early, trace, profile, callback, compile,
                   prefix_cache, guidance, gen_length if auto else None)
