@@ -372,3 +372,10 @@ def test_the_cli_grows_answers_and_refuses_commands_of_fixed_lengths(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--gen-length", "some", "x"])
     assert "expects a number of tokens or auto, got 'some'" in capsys.readouterr().err
+
+
+def test_the_lm_eval_adapter_refuses_it_in_one_line():
+    from dllm.eval.lm_eval_model import DllmLM
+
+    with pytest.raises(DllmError, match="this adapter sizes each canvas from lm-eval's max_gen_toks; give gen_length=N"):
+        DllmLM(model="tiny-llada", gen_length="auto")
