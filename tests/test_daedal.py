@@ -379,3 +379,15 @@ def test_the_lm_eval_adapter_refuses_it_in_one_line():
 
     with pytest.raises(DllmError, match="this adapter sizes each canvas from lm-eval's max_gen_toks; give gen_length=N"):
         DllmLM(model="tiny-llada", gen_length="auto")
+
+
+def test_a_stream_gives_generates_answer_block_by_block(tiny):
+    """Text already streamed never changes: masks are inserted at or after the current block."""
+    model, tok, _ = tiny
+    args = dict(gen_length=Daedal(**dict(SMALL, low_threshold=0.5)), block_length=4)
+    for text in TEXTS:
+        stream = dllm.stream(model, tok, text, **args)
+        pieces = list(stream)
+        want = dllm.generate(model, tok, [text], **args)
+        assert "".join(pieces) == want.texts[0] and len(pieces) > 1
+        assert stream.generation.token_ids == want.token_ids and stream.generation.stats.nfe == want.stats.nfe
