@@ -391,3 +391,16 @@ def test_a_stream_gives_generates_answer_block_by_block(tiny):
         want = dllm.generate(model, tok, [text], **args)
         assert "".join(pieces) == want.texts[0] and len(pieces) > 1
         assert stream.generation.token_ids == want.token_ids and stream.generation.stats.nfe == want.stats.nfe
+
+
+def test_guided_rows_grow_as_each_prompt_alone(tiny):
+    """Classifier-free guidance (the authors' cfg_scale): the EOS confidence and the insertions read the guided
+    logits; each row of a padded batch is its prompt alone."""
+    model, tok, _ = tiny
+    texts = ["add: 0457+0168", "copy: k3x9a", "sort: 42,07,19,03"]
+    args = dict(gen_length=Daedal(**dict(SMALL, max_gen_length=64, low_threshold=0.5)), block_length=4,
+                cfg_scale=1.0, confidence_eos_eot_inf=True)
+    batch = dllm.generate(model, tok, texts, **args)
+    assert max(len(c) for c in batch.canvas_ids) > 32
+    for i, text in enumerate(texts):
+        assert dllm.generate(model, tok, [text], **args).canvas_ids == [batch.canvas_ids[i]]
