@@ -190,6 +190,8 @@ def auto_length(gen_length, length_args: dict[str, Any] | None) -> Any:
         raise DllmError(f"length_args must be a dict of gen_length auto's parameters, got {length_args!r}")
     if isinstance(gen_length, str) and gen_length != "auto":
         raise DllmError(f"gen_length must be a number of answer tokens or 'auto', got {gen_length!r}")
+    if isinstance(gen_length, samplers_mod.Daedal) and length_args is not None:
+        raise DllmError(f"{', '.join(length_args)} given with a ready length policy (samplers.Daedal); set them on it")
     if gen_length != "auto":
         if length_args is not None:
             raise DllmError(f"{', '.join(length_args)} set{'s' if len(length_args) == 1 else ''} how gen_length auto "
