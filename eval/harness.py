@@ -27,6 +27,7 @@ from dllm.engine import generate
 from dllm.engine.checks import check_policies
 from dllm.engine.options import settle
 from dllm.engine.text import encode_prompts
+from dllm.samplers import Daedal
 
 from .tasks import Item, get_task
 
@@ -34,18 +35,21 @@ VERSIONED_PACKAGES = ("dllm-fast", "torch", "transformers", "tokenizers", "accel
 
 
 def evaluate(model, tokenizer, task: str, sampler: str | Any = None, cache: str | Any = None,
-             gen_length: int | None = None, block_length: int | None = None, steps: int | None = None,
+             gen_length: int | str | Any = None, block_length: int | None = None, steps: int | None = None,
              limit: int | None = None, batch_size: int = 16, output: str | Path | None = None, seed: int = 0,
              chat: bool | None = None,
              sampler_args: dict | None = None, cache_args: dict | None = None, model_name: str = "",
              data: str | Path | None = None, num_fewshot: int | None = None, gold: bool = False,
              compile: bool = False, unsafe_exec: bool = False, cfg_scale: float = 0.0, logits_eos_inf: bool = False,
-             confidence_eos_eot_inf: bool = False, recipe: str | None = None) -> dict[str, Any]:
+             confidence_eos_eot_inf: bool = False, recipe: str | None = None,
+             length_args: dict | None = None) -> dict[str, Any]:
     """Decode every item of `task` (or, with `gold`, take its reference solutions), score it and write
     `output/results.jsonl` and `output/summary.json`. Returns the summary. Code tasks run each program in an
     isolated sandbox (`sandbox`), or with `unsafe_exec` in a plain guarded process. The sampler, cache and
     lengths default to the model's (`settle`); `cfg_scale`, `logits_eos_inf`, `confidence_eos_eot_inf` are
-    LLaDA's generation options; `recipe` names the recipe the run follows (kept in the configuration)."""
+    LLaDA's generation options; `recipe` names the recipe the run follows (kept in the configuration).
+    gen_length "auto" (`length_args`, or a `samplers.Daedal`): each answer chooses its length (DAEDAL); every run
+    records each answer's canvas and its effective tokens (not EOS), summed into `effective_token_ratio`."""
     from accelerate import PartialState
 
     spec = get_task(task)
@@ -63,15 +67,18 @@ def evaluate(model, tokenizer, task: str, sampler: str | Any = None, cache: str 
     guidance = None
     if not gold:
         settings = settle(model, sampler, cache, {}, sampler_args, cache_args, gen_length, block_length, steps,
-                          cfg_scale, logits_eos_inf, confidence_eos_eot_inf)
+                          cfg_scale, logits_eos_inf, confidence_eos_eot_inf, length_args)
         sampler, cache, guidance = settings.sampler, settings.cache, settings.guidance.config()
         check_policies(model, sampler, cache, compile)
         check_seed(seed)
         chat = getattr(tokenizer, "chat_template", None) is not None if chat is None else chat
         gen_length, block_length, steps = settings.lengths.values()
-        sampler.check_gen_length(gen_length)
-        _check_context(model, tokenizer, items, chat, gen_length, shots)
-        config.update(model=model_name, sampler=sampler.config(), cache=cache.config(), gen_length=gen_length,
+        auto = isinstance(gen_length, Daedal)
+        if not auto:
+            sampler.check_gen_length(gen_length)
+        _check_context(model, tokenizer, items, chat, gen_length.initial_gen_length if auto else gen_length, shots)
+        config.update(model=model_name, sampler=sampler.config(), cache=cache.config(),
+                      gen_length="auto" if auto else gen_length, **({"length": gen_length.config()} if auto else {}),
                       block_length=block_length, steps=steps, seed=seed, chat=chat, dtype=str(model.dtype),
                       compile=compile, quantization=model.quantization, **guidance,
                       **({"recipe": recipe} if recipe else {}))
@@ -105,7 +112,7 @@ def evaluate(model, tokenizer, task: str, sampler: str | Any = None, cache: str 
                  disable=None if state.is_main_process else True) as bar:  # None: off when not a terminal
         for batch in todo:
             if gold:
-                texts, lengths, stats = [it.gold for it in batch], [0] * len(batch), None
+                texts, lengths, stats = [it.gold for it in batch], [(0, 0, 0)] * len(batch), None
             else:
                 texts, lengths, stats = _decode_batch(model, tokenizer, batch, sampler, cache, gen_length,
                                                       block_length, steps, seed, chat, compile, guidance)
@@ -156,18 +163,24 @@ def _check_context(model, tokenizer, items: list[Item], chat: bool, gen_length: 
 
 def _decode_batch(model, tokenizer, batch: list[Item], sampler, cache, gen_length, block_length, steps, seed,
                   chat, compile, guidance: dict) -> tuple[list[str], list[int], Any]:
-    """Generated texts, their token counts (up to the first stop token) and the batch statistics."""
+    """Generated texts, their token counts (up to the first stop token; then the answer canvas's tokens and those
+    of them that are not EOS, the effective tokens of DAEDAL's metrics) and the batch statistics."""
     out = generate(model, tokenizer, [it.prompt for it in batch], sampler, cache, gen_length, block_length, steps,
                    seed, chat, compile=compile, **guidance)
-    return out.texts, [len(ids) for ids in out.token_ids], out.stats
+    eos = model.config.filler_id
+    counts = [(len(ids), len(canvas), sum(t != eos for t in canvas)) for ids, canvas in zip(out.token_ids,
+                                                                                          out.canvas_ids)]
+    return out.texts, counts, out.stats
 
 
-def _record(item: Item, text: str, scores: dict, gen_tokens: int, stats, batch: int) -> dict[str, Any]:
+def _record(item: Item, text: str, scores: dict, counts: tuple[int, int, int], stats, batch: int) -> dict[str, Any]:
     (extracted, correct), *_ = scores.values()
+    gen_tokens, canvas_tokens, effective_tokens = counts
     return {"id": item.id, "group": item.group, "prompt": item.prompt, "output": text, "extracted": extracted,
             "reference": item.reference, "correct": bool(correct),
             "metrics": {name: bool(ok) for name, (_, ok) in scores.items()},
-            "forwards": stats.nfe if stats else 0, "gen_tokens": gen_tokens,
+            "forwards": stats.nfe if stats else 0, "gen_tokens": gen_tokens, "canvas_tokens": canvas_tokens,
+            "effective_tokens": effective_tokens,
             "committed_tokens": stats.gen_tokens / batch if stats else 0,
             "seconds": stats.seconds / batch if stats else 0.0, "batch_size": batch,
             "rows_per_layer": sum(stats.rows_per_layer) / len(stats.rows_per_layer) / batch if stats else 0.0}
@@ -244,11 +257,15 @@ def summarize(records: list[dict], task: str) -> dict[str, Any]:
             metrics[name].append(ok)
     forwards = sum(r["forwards"] for r in records)
     committed = sum(r["committed_tokens"] for r in records)
+    canvas = sum(r.get("canvas_tokens", 0) for r in records)
     seconds = sum(r["seconds"] for r in records)
     return {"task": task, "n": n, "accuracy": sum(r["correct"] for r in records) / max(n, 1),
             "accuracy_by_metric": {m: sum(v) / len(v) for m, v in metrics.items()},
             "nfe_mean": forwards / max(n, 1), "tpf": committed / max(forwards, 1),
             "gen_tokens_mean": sum(r["gen_tokens"] for r in records) / max(n, 1),
+            "canvas_tokens_mean": canvas / max(n, 1),  # the answer canvas: gen_length, or as gen_length auto grew it
+            # DAEDAL's effective token ratio (its metrics scripts): answer canvas tokens that are not EOS, of all
+            "effective_token_ratio": sum(r.get("effective_tokens", 0) for r in records) / canvas if canvas else 0.0,
             "tokens_per_second": committed / seconds if seconds else 0.0, "seconds": seconds,
             "rows_per_layer_mean": sum(r.get("rows_per_layer", 0.0) for r in records) / max(n, 1),  # cache cost
             "per_group_accuracy": {g: sum(v) / len(v) for g, v in sorted(groups.items())},

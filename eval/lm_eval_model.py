@@ -108,6 +108,9 @@ class DllmLM(LM):
         if likelihood_convention not in (None, *CONVENTIONS):
             raise DllmError(f"likelihood_convention must be one of {', '.join(CONVENTIONS)}, got "
                             f"{likelihood_convention!r}")
+        if gen_length == "auto":
+            raise DllmError("gen_length=auto grows each answer while decoding, and this adapter sizes each canvas from "
+                            "lm-eval's max_gen_toks; give gen_length=N (gen_length auto: dllm eval, dllm generate)")
         if sampler is not None:  # checked before the weights load (without one: the model's, see below)
             samplers.SAMPLERS.get(sampler)
         if cache is not None:

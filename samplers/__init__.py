@@ -7,6 +7,7 @@ from __future__ import annotations
 from dllm.core.params import Registry
 
 from .base import Commit, ExtraRows, Sampler, StepContext, stack_rows
+from .daedal import Daedal
 
 SAMPLERS = Registry("sampler", Sampler)
 register = SAMPLERS.register
@@ -16,4 +17,4 @@ from . import (llada, fastdllm, dream, credit, localleap, prophet, adablock, hie
                block_diffusion, indel, entropy_bound, eb_sampler, dus, klass, pc_sampler, wino,
                certainty_prior)
 
-__all__ = ["SAMPLERS", "Commit", "ExtraRows", "Sampler", "StepContext", "register", "stack_rows"]
+__all__ = ["SAMPLERS", "Commit", "Daedal", "ExtraRows", "Sampler", "StepContext", "register", "stack_rows"]

@@ -108,6 +108,8 @@ class Sampler(Params):
     batch_params: ClassVar[tuple[str, ...]] = ()  # numeric parameters the rows of a batch share (they set the logits
     # the batch computes); the others may differ per row (`stack_rows`)
     adds_rows: ClassVar[bool] = False  # its forwards compute `extra_rows` beside the canvas rows (WINO's shadow block)
+    canvas_may_grow: ClassVar[bool] = False  # keeps nothing per position from step to step and proposes a token at
+    # every eligible position (`Commit.tokens`), so masks may be inserted between its steps (gen_length auto, DAEDAL)
     orders_by_token_probability: ClassVar[bool] = True  # commits in the order of `token_probability` (or at random),
     # so LLaDA's `confidence_eos_eot_inf` (`StepContext.unscored`, passed to `token_probability`) reaches its choice
     temperature: float = param(0.0, "sampling temperature (0 = greedy)", ge=0.0)

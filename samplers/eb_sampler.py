@@ -27,6 +27,7 @@ class EBSampler(Sampler):
     the ports differ: DUS's from the noisy logits, d2Cache's from the tempered ones)."""
 
     orders_by_token_probability: ClassVar[bool] = False  # the count comes from entropies
+    canvas_may_grow: ClassVar[bool] = True
 
     gamma: float = param(0.01, "commit while the entropies of the positions ranked before sum to at most this "
                                "(PC-Sampler: 0.01 nats; DUS: 1.0 bits)", ge=0.0)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -30,6 +31,7 @@ class Threshold(CausalFirst):
     """Fast-dLLM threshold rule: commit every masked block position with confidence >= threshold, and always
     the most confident one."""
 
+    canvas_may_grow: ClassVar[bool] = True
     threshold: float = param(0.9, "commit positions whose probability reaches this (> 1 = one per step)", ge=0.0)
 
     def choose(self, ctx: StepContext) -> Commit:
@@ -62,6 +64,7 @@ class Factor(Sampler):
     """Fast-dLLM factor rule: commit the top n while c_(n) >= 1 - f/(n+1) (at least one); `factor_count` has
     the exact count and what `compat` changes."""
 
+    canvas_may_grow: ClassVar[bool] = True
     factor: float = param(1.0, "f in c_(n) >= 1 - f/(n+1); larger commits more per step", gt=0.0)
     compat: bool = param(False, "reproduce the reference edge case (a failing last rank still commits all)")
 

@@ -18,6 +18,8 @@ from .base import (CausalFirst, Commit, Sampler, StepContext, gumbel_argmax, quo
 class LowConfidence(CausalFirst):
     """LLaDA low-confidence remasking: commit the scheduled number of most probable predictions."""
 
+    canvas_may_grow: ClassVar[bool] = True  # its quota spreads the masks left (inserted ones too) over the steps left
+
     def choose(self, ctx: StepContext) -> Commit:
         tokens = gumbel_argmax(ctx.logits, self.temperature, ctx.generators)
         confidence = token_probability(ctx.logits, tokens, ctx.unscored)

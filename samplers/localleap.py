@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch.nn.functional as F
 
@@ -17,6 +18,8 @@ from .fastdllm import threshold_commit
 class LocalLeap(Sampler):
     """LocalLeap: anchors (confidence >= threshold) let masked neighbours within `radius` commit at the
     relaxed threshold; everything else follows the strict threshold."""
+
+    canvas_may_grow: ClassVar[bool] = True
 
     threshold: float = param(0.9, "anchor and strict commit threshold (kappa)", ge=0.0)
     relaxed_threshold: float = param(0.75, "threshold within radius of an anchor (tau <= kappa)", ge=0.0)

@@ -14,6 +14,7 @@ from ..engine.text import check_plain_text
 from .flags import (
     check_writable_file,
     decoding_keywords,
+    fixed_length_only,
     flag_policies,
     load_model,
     progress,
@@ -50,7 +51,8 @@ def generate_command(args) -> int:
     if args.explain:
         print(json.dumps(settings.explain()) if args.json else format_explain(settings.explain()))
         return 0
-    with progress(args, len(prompts) * settings.lengths["gen_length"], "generate") as bar:
+    gen = settings.lengths["gen_length"]
+    with progress(args, len(prompts) * getattr(gen, "initial_gen_length", gen), "generate") as bar:
         out = dllm.generate(model, tok, prompts, **decoding_keywords(settings), seed=args.seed, chat=args.chat,
                             trace=args.trace is not None, compile=args.compile,
                             callback=lambda info: bar.update(info["committed"]))
@@ -122,6 +124,7 @@ def bench_command(args) -> int:
         if value < 1:
             raise DllmError(f"{flag} must be at least 1, got {value}")
     check_seed(args.seed)
+    fixed_length_only(args, "times decoding at one answer length")
     policies = flag_policies(args)  # bad flags fail before the model loads
     model, tok = load_model(args)
     settings = settings_from(args, model, policies)

@@ -37,6 +37,16 @@ def json_or_text(value: str) -> Any:
         return value
 
 
+def gen_length_flag(value: str) -> int | str:
+    """--gen-length: answer tokens, or auto."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expects a number of tokens or auto, got {value!r}") from None
+
+
 def add_decoding_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="shipped name, random:<preset> or a local directory")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
@@ -47,8 +57,14 @@ def add_decoding_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sampler-arg", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--cache", default=None, help="(default: block on a block-causal model, else none)")
     p.add_argument("--cache-arg", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--gen-length", type=int, default=None,
-                   help="answer tokens (default: the model's generation_config.json, else 64; DiffusionGemma: 256)")
+    p.add_argument("--gen-length", type=gen_length_flag, default=None,
+                   help="answer tokens (default: the model's generation_config.json, else 64; DiffusionGemma: 256), "
+                        "or auto: each answer chooses its length (DAEDAL; sampler threshold unless one is named)")
+    p.add_argument("--max-gen-length", type=int, default=None,
+                   help="with --gen-length auto: the longest answer (default 2048, or what the context leaves)")
+    p.add_argument("--length-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --gen-length auto: a DAEDAL parameter (initial_gen_length, eos_threshold, "
+                        "expand_threshold, low_threshold, expansion_factor, eos_check_tokens)")
     p.add_argument("--block-length", type=int, default=None, help="(default: the model's, else 32)")
     p.add_argument("--steps", type=int, default=None,
                    help="total steps (default: gen-length; DiffusionGemma: max_denoising_steps, 48, per canvas)")
@@ -110,10 +126,25 @@ def flag_policies(args) -> dict[str, Any]:
                 **guidance.config())
 
 
+def length_args(args) -> dict[str, Any] | None:
+    """--max-gen-length and --length-arg: gen_length auto's parameters (None: none given)."""
+    given = key_values(args.length_arg, "--length-arg")
+    if args.max_gen_length is not None:
+        given["max_gen_length"] = args.max_gen_length
+    return given or None
+
+
+def fixed_length_only(args, why: str) -> None:
+    """Refuse --gen-length auto and its flags for a command that decodes fixed lengths (`why`: the reason)."""
+    if args.gen_length == "auto" or length_args(args):
+        raise DllmError(f"dllm {args.command} {why}, and --gen-length auto chooses each answer's length while "
+                        f"decoding; give --gen-length N")
+
+
 def settings_from(args, model, policies: dict[str, Any] | None = None) -> Settings:
     """The flags over the model's settings (`settle`): what to decode with, and where each value came from."""
     return settle(model, **(policies or flag_policies(args)), gen_length=args.gen_length,
-                  block_length=args.block_length, steps=args.steps)
+                  block_length=args.block_length, steps=args.steps, length_args=length_args(args))
 
 
 def decoding_keywords(settings: Settings) -> dict[str, Any]:

@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 from ..core.errors import DllmError
-from .flags import check_writable_file, flag_policies, json_or_text, key_values, load_model
+from .flags import check_writable_file, fixed_length_only, flag_policies, json_or_text, key_values, load_model
 
 
 def serve_defaults(args) -> dict[str, Any]:
@@ -23,6 +23,7 @@ def serve_defaults(args) -> dict[str, Any]:
                         f"pip install 'dllm-fast[serve]' (from a checkout: pip install -e '.[serve]')") from None
     if args.max_batch < 1:
         raise DllmError(f"--max-batch must be at least 1, got {args.max_batch}")
+    fixed_length_only(args, "batches requests between blocks at fixed answer lengths")
     return {**flag_policies(args), "gen_length": args.gen_length, "block_length": args.block_length,
             "steps": args.steps, "seed": args.seed}  # the sampler, cache and LLaDA options (checked) and the lengths
 

@@ -10,6 +10,7 @@ from torch import Tensor
 from ..core.checks import check_seed
 from ..core.errors import DllmError
 from ..models import DiffusionLM
+from ..samplers import Daedal
 from .canvas import Canvas
 from .checks import check_lengths
 from .logprobs import TokenLogprob, check_logprobs
@@ -34,15 +35,18 @@ class Generation:
     trace: list[dict] | None = None
     logprobs: list[list[TokenLogprob]] | None = None  # per row, one per token of token_ids (`logprobs=k`)
     settings: dict[str, Any] | None = None  # every setting and where it came from (`Settings.explain`)
+    canvas_ids: list[list[int]] | None = None  # each row's whole answer canvas (gen_length tokens, or as gen_length
+    # auto grew it), not cut at its first stop token
 
 
 def _prepare(model: DiffusionLM, tokenizer, prompts, sampler, cache, gen_length, block_length, steps, seed, chat,
-             flags: dict[str, Any], sampler_args, cache_args, params, guidance: dict[str, Any]):
+             flags: dict[str, Any], sampler_args, cache_args, params, guidance: dict[str, Any], max_gen_length):
     """`generate`'s and `stream`'s checks and setup: the settings (`settle`), the seed and flags, then the
     prompts' ids (every bad input fails before any work)."""
     settings = settle(model, sampler, cache, params, sampler_args, cache_args, gen_length, block_length, steps,
-                      **guidance)
-    settings.sampler.check_gen_length(settings.lengths["gen_length"])
+                      **guidance, length_args=None if max_gen_length is None else {"max_gen_length": max_gen_length})
+    if not isinstance(settings.lengths["gen_length"], Daedal):
+        settings.sampler.check_gen_length(settings.lengths["gen_length"])
     for row_seed in seed if isinstance(seed, list) else [seed]:
         check_seed(row_seed)
     for name, flag in flags.items():
@@ -58,13 +62,14 @@ def _prepare(model: DiffusionLM, tokenizer, prompts, sampler, cache, gen_length,
 
 
 def generate(model: DiffusionLM, tokenizer, prompts, sampler: str | Sampler | None = None,
-             cache: str | Cache | None = None, gen_length: int | None = None, block_length: int | None = None,
+             cache: str | Cache | None = None, gen_length: int | str | Daedal | None = None,
+             block_length: int | None = None,
              steps: int | None = None, seed: int | list[int] = 0, chat: bool | None = None, stop_early: bool = True,
              trace: bool = False, sampler_args: dict[str, Any] | None = None,
              cache_args: dict[str, Any] | None = None, callback: Callable[[dict], None] | None = None,
              compile: bool = False, logprobs: int | None = None, prefix_cache: PrefixBlocks | None = None,
              cfg_scale: float = 0.0, logits_eos_inf: bool = False, confidence_eos_eot_inf: bool = False,
-             **params: Any) -> Generation:
+             max_gen_length: int | None = None, **params: Any) -> Generation:
     """Generate answers for a batch of prompts (strings, or lists of token ids).
 
     `sampler` defaults to the model's (`engine.options.model_sampler`: its generation_config.json's Dream `alg`,
@@ -78,10 +83,13 @@ def generate(model: DiffusionLM, tokenizer, prompts, sampler: str | Sampler | No
     block_length default to the model directory's `generation_config.json`, else the family's (DiffusionGemma:
     256 tokens in canvases), else 64 and 32 (or the largest block below 32 that divides gen_length); steps to
     gen_length (one token per step for schedule-driven samplers; DiffusionGemma: max_denoising_steps per
-    canvas). `callback` is called after every step (see `decode`). `compile` runs the model under
-    `torch.compile` (caches none, prefix, dual, block; the first calls compile, minutes on a CPU for a large
-    model). `logprobs=k` gives every answer token's log-probability under the distribution the sampler
-    drew it from, at the step that committed it, with that distribution's k most probable tokens
+    canvas). `gen_length="auto"` lets each answer choose its length (DAEDAL, `samplers.Daedal`: from 64 masks up to
+    `max_gen_length`, default 2048 or what the context leaves; a `Daedal` sets its other parameters), decoded with
+    sampler threshold unless one is named (`Generation.canvas_ids` holds each answer's canvas). `callback` is called
+    after every step (see `decode`). `compile` runs the model under `torch.compile` (caches none, prefix, dual,
+    block; the first calls compile, minutes on a CPU for a large model). `logprobs=k` gives every answer token's
+    log-probability under the distribution the sampler drew it from, at the step that committed it, with that
+    distribution's k most probable tokens
     (`Generation.logprobs`; `dllm.engine.logprobs`). `prefix_cache` (a `dllm.cache.PrefixBlocks`; block-causal
     models, cache `block`) reuses the keys and values of whole blocks an earlier call kept for prompts that start
     the same way (the answers do not change)."""
@@ -89,19 +97,19 @@ def generate(model: DiffusionLM, tokenizer, prompts, sampler: str | Sampler | No
     guidance = dict(cfg_scale=cfg_scale, logits_eos_inf=logits_eos_inf, confidence_eos_eot_inf=confidence_eos_eot_inf)
     settings, ids = _prepare(model, tokenizer, prompts, sampler, cache, gen_length, block_length, steps, seed, chat,
                              dict(stop_early=stop_early, trace=trace, compile=compile), sampler_args, cache_args,
-                             params, guidance)
+                             params, guidance, max_gen_length)
     batch = decoded(model, ids, settings.sampler, settings.cache, **settings.lengths, seed=seed,
                     stop_early=stop_early, trace=trace, callback=callback, compile=compile, logprobs=logprobs,
                     prefix_cache=prefix_cache, guidance=settings.guidance)
     canvas, stats = batch.canvas, batch.finish()
     cfg = model.config
-    token_ids = []
-    for row, a, b in zip(canvas.tokens.tolist(), canvas.gen_start.tolist(), canvas.gen_end.tolist()):
-        row = row[a:b]
-        token_ids.append(row[:next((i for i, t in enumerate(row) if t in cfg.stop_ids), len(row))])
+    canvases = [row[a:b] for row, a, b in zip(canvas.tokens.tolist(), canvas.gen_start.tolist(),
+                                              canvas.gen_end.tolist())]
+    token_ids = [row[:next((i for i, t in enumerate(row) if t in cfg.stop_ids), len(row))] for row in canvases]
     return Generation([answer_text(tokenizer, ids) for ids in token_ids], token_ids, canvas.tokens, stats,
                       settings.sampler.config(), settings.cache.config(), batch.trace,
-                      None if logprobs is None else [batch.logprobs(row) for row in batch.rows], settings.explain())
+                      None if logprobs is None else [batch.logprobs(row) for row in batch.rows], settings.explain(),
+                      canvases)
 
 
 class Stream:
@@ -135,7 +143,7 @@ def stream(model: DiffusionLM, tokenizer, prompt, sampler: str | Sampler | None 
            trace: bool = False, sampler_args: dict[str, Any] | None = None,
            cache_args: dict[str, Any] | None = None, callback: Callable[[dict], None] | None = None,
            compile: bool = False, logprobs: int | None = None, cfg_scale: float = 0.0, logits_eos_inf: bool = False,
-           confidence_eos_eot_inf: bool = False, **params: Any) -> Stream:
+           confidence_eos_eot_inf: bool = False, max_gen_length: int | None = None, **params: Any) -> Stream:
     """`generate` for one prompt, its answer's text given block by block as it is decoded:
 
         s = dllm.stream(model, tok, "reverse: abc", sampler="threshold", cache="dual")
@@ -152,11 +160,13 @@ def stream(model: DiffusionLM, tokenizer, prompt, sampler: str | Sampler | None 
     guidance = dict(cfg_scale=cfg_scale, logits_eos_inf=logits_eos_inf, confidence_eos_eot_inf=confidence_eos_eot_inf)
     settings, ids = _prepare(model, tokenizer, [prompt], sampler, cache, gen_length, block_length, steps, seed, chat,
                              dict(stop_early=stop_early, trace=trace, compile=compile), sampler_args, cache_args,
-                             params, guidance)
+                             params, guidance, max_gen_length)
     lengths = settings.lengths
     steps_per_block = check_lengths(lengths["gen_length"], lengths["block_length"], lengths["steps"],
                                     uniform=model.config.mask_id is None)
+    auto = isinstance(lengths["gen_length"], Daedal)
     batch = Batch(model, settings.sampler, settings.cache, lengths["block_length"], steps_per_block, stop_early,
-                  trace, callback=callback, compile=compile, guidance=settings.guidance)
+                  trace, callback=callback, compile=compile, guidance=settings.guidance,
+                  length=lengths["gen_length"] if auto else None)
     return Stream(tokenizer, batch, batch.add(ids[0], lengths["gen_length"], seed[0] if isinstance(seed, list)
                                               else seed, logprobs=logprobs), settings.explain())

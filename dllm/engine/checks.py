@@ -21,7 +21,14 @@ def check_lengths(gen_length: int, block_length: int, steps: int | None, model_b
                   uniform: bool = False) -> int:
     """Validate the block layout; return steps per block. `model_block`: the block is a block-causal model's
     attention block, so only gen_length can change. `uniform`: a uniform-state model, whose blocks are denoised
-    for their steps and committed at once, so a block may take more steps than it has tokens."""
+    for their steps and committed at once, so a block may take more steps than it has tokens. gen_length auto
+    (`samplers.Daedal`): a block takes block_length steps of a schedule."""
+    if isinstance(gen_length, samplers_mod.Daedal):
+        check_int("block_length", block_length, 1)
+        if steps is not None:
+            raise DllmError(f"steps ({steps}) spreads a fixed answer over forwards, and gen_length auto chooses the "
+                            f"answer's length while decoding; drop steps")
+        return block_length
     check_int("gen_length", gen_length)
     check_int("block_length", block_length)
     if steps is not None:
@@ -133,6 +140,31 @@ def check_guidance(model: DiffusionLM, sampler: Sampler, cache: Cache, guidance:
         known = ", ".join(cls.name for cls in samplers_mod.SAMPLERS if cls.orders_by_token_probability)
         raise DllmError(f"confidence_eos_eot_inf scores EOS and EoT predictions 0 in the token probability a sampler "
                         f"orders by; sampler {sampler.name!r} orders by its own score; use one of {known}")
+
+
+def check_auto_length(model: DiffusionLM, sampler: Sampler, cache: Cache, compile: bool, guidance: Guidance
+                      ) -> None:
+    """gen_length auto (DAEDAL, `samplers.Daedal`) can decode with this model, sampler, cache and options (else the
+    one-line reason)."""
+    cfg, why = model.config, None
+    if cfg.mask_id is None:
+        why = f"inserts masks, and {cfg.arch} is a uniform-state model (no mask token)"
+    elif cfg.decoded_keys_fixed:
+        why = (f"inserts masks that move decoded tokens, and {cfg.arch} attends in fixed blocks of columns "
+               f"(block-causal or causal-prefix)")
+    elif not sampler.canvas_may_grow:
+        known = ", ".join(cls.name for cls in samplers_mod.SAMPLERS if cls.canvas_may_grow)
+        why = (f"inserts masks between the steps of sampler {sampler.name!r}, which keeps state per position or "
+               f"plans ahead; use one of {known}")
+    elif cache.stores_kv:
+        why = (f"moves the columns whose keys and values cache {cache.name!r} keeps, and reads every answer "
+               f"position's logits at each step; use cache none")
+    elif compile:
+        why = "changes the canvas's width as it grows, so a compiled forward would compile again; drop compile"
+    elif guidance.logits_eos_inf:
+        why = "grows the answer until EOS is likely, and logits_eos_inf bans EOS; drop logits_eos_inf"
+    if why is not None:
+        raise DllmError(f"gen_length auto (DAEDAL) {why}")
 
 
 def check_block_layout(model: DiffusionLM, block_length: int) -> None:

@@ -14,8 +14,10 @@ from .. import cache as caches
 from .. import samplers as samplers_mod
 from ..core.errors import DllmError
 from ..models import DiffusionLM, Rows
+from ..samplers.base import token_probability
 from .canvas import Canvas
-from .checks import check_block_layout, check_guidance, check_lengths, check_policies, check_prefix_cache
+from .checks import (check_auto_length, check_block_layout, check_guidance, check_lengths, check_policies,
+                     check_prefix_cache)
 from .guidance import Guidance
 from .logprobs import Captured, TokenLogprob, check_logprobs, token_logprobs
 from .runner import Runner, clock
@@ -44,6 +46,7 @@ class Row:
     logprobs: int | None = None  # alternatives per token to capture with its log-probability (None: not captured)
     captured: tuple[Tensor, Tensor] | None = None  # its `Captured` columns, as of the last layout
     given_up: Tensor | None = None  # [len(tokens)] bool: its masks a sampler gave up, as of the last layout
+    max_gen_length: int | None = None  # gen_length auto: the longest its answer may grow (`Daedal.limit`)
 
 
 class Batch:
@@ -59,22 +62,28 @@ class Batch:
     `{"block", "step", "committed"}`; `compile` runs the model compiled (`compiled_run`; caches none, prefix, dual).
     `prefix_cache` (a `cache.PrefixBlocks`; block-causal and causal-prefix models, cache `block`) fills each layout's
     store with the kept keys and values of the rows' finished blocks, and keeps the blocks each block start makes
-    final. `guidance`: LLaDA's cfg_scale, logits_eos_inf, confidence_eos_eot_inf (`Guidance`).
+    final. `guidance`: LLaDA's cfg_scale, logits_eos_inf, confidence_eos_eot_inf (`Guidance`). `length` (a
+    `samplers.Daedal`; gen_length auto): each row's answer chooses its length, growing before the first block and
+    inside blocks (`_choose_lengths`, `_expand`, the canvas operation `_insert`); rows are added with it as their
+    gen_length, and none joins a running batch.
     The host waits for the device once per step (has the block any mask left?) and once per block."""
 
     def __init__(self, model: DiffusionLM, sampler: Sampler, cache: Cache, block_length: int, steps_per_block: int,
                  stop_early: bool = True, trace: bool = False, profile: bool = False,
                  callback: Callable[[dict], None] | None = None, compile: bool = False,
-                 prefix_cache: PrefixBlocks | None = None, guidance: Guidance = Guidance()):
+                 prefix_cache: PrefixBlocks | None = None, guidance: Guidance = Guidance(),
+                 length: samplers_mod.Daedal | None = None):
         check_policies(model, sampler, cache, compile)
+        if length is not None:
+            check_auto_length(model, sampler, cache, compile, guidance)
         check_guidance(model, sampler, cache, guidance)
         check_block_layout(model, block_length)
         check_prefix_cache(model, cache, prefix_cache, guidance)
         self.model, self.sampler, self.cache, self.guidance = model, sampler, cache, guidance
         self.block_length, self.steps_per_block = block_length, steps_per_block
         self.stop_early, self.profile, self.callback, self.compile = stop_early, profile, callback, compile
-        self.prefix = prefix_cache
-        self.joins_between_blocks = sampler.block_local and cache.block_fresh
+        self.prefix, self.length = prefix_cache, length
+        self.joins_between_blocks = sampler.block_local and cache.block_fresh and length is None
         self.family = "dream" if model.config.logit_shift else "llada"  # for the defaults papers set per family
         self.rows: list[Row] = []
         self.stats, self.trace = Stats(batch=0, rows_per_layer=[0] * model.config.n_layers), [] if trace else None
@@ -84,9 +93,10 @@ class Batch:
         self._saved = True  # the rows hold what the canvas holds
         self.block = 0  # blocks run
 
-    def add(self, prompt: list[int], gen_length: int, seed: int = 0, sampler: Sampler | None = None,
-            logprobs: int | None = None) -> Row:
-        """A row for `prompt` with `gen_length` answer tokens (whole blocks), decoded from the next block on, with
+    def add(self, prompt: list[int], gen_length: int | samplers_mod.Daedal, seed: int = 0,
+            sampler: Sampler | None = None, logprobs: int | None = None) -> Row:
+        """A row for `prompt` with `gen_length` answer tokens (whole blocks; or the batch's `length`, gen_length
+        auto: its initial masks, grown as it decodes), decoded from the next block on, with
         `sampler`'s settings (default: the batch's): the batch's sampler class with other values of its per-row
         parameters (`Sampler.row_params`: temperature, thresholds, ...), stacked into `[B]` tensors per layout;
         `logprobs=k` captures each token's log-probability with k alternatives (`Batch.logprobs`)."""
@@ -100,9 +110,15 @@ class Batch:
             raise DllmError(f"sampler {self.sampler.name!r} with cache {self.cache.name!r} cannot take rows into a "
                             f"running batch (the sampler must look only at the current block and the cache "
                             f"recompute every row at each block start); start a new batch")
-        if gen_length % self.block_length:
+        model, size, limit = self.model, self.model.config.block_size, None
+        if isinstance(gen_length, samplers_mod.Daedal) or self.length is not None:
+            if gen_length is not self.length:
+                raise DllmError("a batch decodes gen_length auto or fixed lengths, not both; give every row the "
+                                "batch's length policy")
+            limit = self.length.limit(len(prompt), model.config.max_length)
+            gen_length = self.length.initial_gen_length
+        elif gen_length % self.block_length:
             raise DllmError(f"gen_length ({gen_length}) must be a multiple of block_length ({self.block_length})")
-        model, size = self.model, self.model.config.block_size
         Canvas.check(model, [prompt], gen_length)
         origin = sampler.block_origin(len(prompt), self.block_length)
         if not 0 <= origin <= len(prompt):
@@ -113,7 +129,7 @@ class Batch:
             gen_length = -(-(len(prompt) + gen_length) // size) * size - len(prompt)
         tokens = torch.tensor(list(prompt) + [model.config.placeholder_id] * gen_length, dtype=torch.long)
         row = Row(list(prompt), gen_length, origin, torch.Generator(device=model.device).manual_seed(seed), sampler,
-                  tokens, logprobs=logprobs)
+                  tokens, logprobs=logprobs, max_gen_length=limit)
         self._save()
         self.rows.append(row)
         self.canvas = None
@@ -241,6 +257,8 @@ class Batch:
         if self.canvas is None:
             self._layout()
         began = clock(self.model.device)
+        if self.length is not None and self.block == 0:  # gen_length auto: DAEDAL's stage 1
+            self._choose_lengths()
         start = self.start
         end = min(start + self.block_length, self.canvas.tokens.shape[1])
         committed = torch.zeros((), dtype=torch.long, device=self.model.device)
@@ -260,6 +278,8 @@ class Batch:
             commit, added, checks, reused = self._write(ctx, out, lo, hi)
             committed += added
             self._after_step(ctx, out, commit, counted)
+            if self.length is not None:  # gen_length auto: DAEDAL's stage 2 (a fresh layout when a row grows)
+                self._expand(ctx, out, commit)
             open_now = self._open_rows_checked(ctx, out, checks)  # the step's one wait for the device
             step += 1
         if self.prefix is not None:
@@ -267,6 +287,59 @@ class Batch:
         self.start, self.block, self._saved = end, self.block + 1, False
         self.stats.seconds += clock(self.model.device) - began
         self.stats.gen_tokens += int(committed)
+
+    def _choose_lengths(self) -> None:
+        """gen_length auto, DAEDAL's stage 1 (`samplers.Daedal.growth`): each forward grows the rows whose EOS
+        confidence is low by masks at their end; a row whose length is chosen leaves the later forwards (as it
+        would alone). Then EOS tokens end each answer (`Daedal.tail`). Every forward is counted (at least one)."""
+        growing, cfg = [True] * len(self.rows), self.model.config
+        while any(growing):
+            first, width = self.canvas.prompt_length, self.canvas.tokens.shape[1]
+            self._forward(first, width, Rows(slice(0, width)), growing, 0, (first, width))  # cache none: every row
+            eos = self.length.eos_confidence(self.answer_logits, self.canvas.answer[:, first:], cfg.filler_id)
+            grow = self.length.growth(eos, [row.gen_length for row in self.rows],
+                                      [row.max_gen_length for row in self.rows])
+            growing = [was and n > 0 for was, n in zip(growing, grow)]
+            self._insert({b: (self._end_column(b), n, cfg.mask_id) for b, n in enumerate(grow) if growing[b]})
+        self._insert({b: (self._end_column(b), self.length.tail(row.gen_length, row.max_gen_length), cfg.filler_id)
+                      for b, row in enumerate(self.rows)})
+
+    def _expand(self, ctx: samplers_mod.StepContext, out: samplers_mod.Commit, commit: Tensor) -> None:
+        """gen_length auto, DAEDAL's stage 2 (`samplers.Daedal.expansion`): after a step, an unfinished row whose EOS
+        confidence (from the step's logits of its whole answer) is low turns the least confident mask of the block
+        that the step left into `expansion_factor` masks."""
+        canvas, cfg = self.canvas, self.model.config
+        eos = self.length.eos_confidence(self.answer_logits, canvas.answer[:, canvas.prompt_length:], cfg.filler_id)
+        limits = torch.tensor([row.max_gen_length for row in self.rows], device=canvas.gen_end.device)
+        where = self.length.expansion(eos, token_probability(ctx.logits, out.tokens),
+                                      ctx.eligible & ~commit & self.unfinished[:, None],
+                                      canvas.gen_end - canvas.gen_start < limits).tolist()
+        self._insert({b: (int(ctx.positions[j]), self.length.expansion_factor - 1, cfg.mask_id)
+                      for b, j in enumerate(where) if j >= 0})
+
+    def _end_column(self, b: int) -> int:
+        """The canvas column after row b's last token."""
+        return self.firsts[b] + len(self.rows[b].tokens)
+
+    def _insert(self, inserts: dict[int, tuple[int, int, int]]) -> None:
+        """The canvas operation of gen_length auto: row b gets `count` tokens `token` before canvas column `column`
+        (`inserts[b]`), its later tokens (and captured log-probabilities) moving right, its answer cut at its
+        `max_gen_length`; then the rows are laid out anew, current blocks at the same columns, with a fresh store
+        and sampler state (so only samplers that keep no state per position and caches that store nothing:
+        `checks.check_auto_length`)."""
+        if not any(count for _, count, _ in inserts.values()):
+            return
+        self._saved = False  # the block's steps have written into the canvas since the rows were last saved
+        self._save()
+        for b, (column, count, token) in inserts.items():
+            row = self.rows[b]
+            at, keep = column - self.firsts[b], len(row.prompt) + row.max_gen_length
+            row.tokens = _spliced(row.tokens, at, count, token)[:keep]
+            row.gen_length = len(row.tokens) - len(row.prompt)
+            if row.captured is not None:
+                row.captured = tuple(_spliced(t, at, count, fill)[:keep]
+                                     for t, fill in zip(row.captured, (float("nan"), -1)))
+        self._layout()
 
     def _fill_block(self, start: int, end: int, open_now: list[bool]) -> None:
         """The sampler's first tokens for the block's uncommitted positions (a uniform-state model's random canvas),
@@ -309,9 +382,16 @@ class Batch:
         their logits are zero, and the sampler commits nothing there."""
         inputs = self.sampler.model_inputs(self.state, step)
         extra = self.stacked.extra_rows(self.canvas.tokens, *block, self.model.config)  # after the window's logits
+        # gen_length auto: DAEDAL's EOS confidence reads the logits of every answer position (`answer_logits`)
+        first, last = (self.canvas.prompt_length, self.canvas.tokens.shape[1]) if self.length is not None else (lo, hi)
         if all(open_now) or not self.cache.block_fresh or self.compile or self.sampler.drafts:
-            return self.runner.forward(lo, hi, rows, inputs=inputs, block=block, extra=extra)
-        return self.runner.forward_open(lo, hi, rows, open_now, inputs, block, extra)
+            logits = self.runner.forward(first, last, rows, inputs=inputs, block=block, extra=extra)
+        else:
+            logits = self.runner.forward_open(first, last, rows, open_now, inputs, block, extra)
+        if self.length is None:
+            return logits
+        self.answer_logits = logits
+        return logits[:, lo - first:hi - first]
 
     def _open_rows(self, start: int, end: int, again: Tensor | None = None) -> Tensor:
         """[B] rows with an uncommitted position left in the block, or (token editing) asking for another step."""
@@ -446,12 +526,19 @@ class Batch:
         return open_now
 
 
+def _spliced(t: Tensor, at: int, count: int, fill) -> Tensor:
+    """`t` with `count` rows of `fill` inserted before row `at`."""
+    return torch.cat((t[:at], t.new_full((count, *t.shape[1:]), fill), t[at:]))
+
+
 @torch.no_grad()
-def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache: Cache, gen_length: int,
-           block_length: int, steps: int | None = None, seed: int | list[int] = 0, stop_early: bool = True,
+def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache: Cache,
+           gen_length: int | samplers_mod.Daedal, block_length: int, steps: int | None = None,
+           seed: int | list[int] = 0, stop_early: bool = True,
            trace: bool = False, profile: bool = False, callback: Callable[[dict], None] | None = None,
            compile: bool = False, guidance: Guidance = Guidance()) -> tuple[Canvas, Stats, list[dict] | None]:
-    """Decode token-id prompts as one fixed batch (every row seeded with `seed`, or row i with `seed[i]`); returns
+    """Decode token-id prompts as one fixed batch (every row seeded with `seed`, or row i with `seed[i]`; `gen_length`
+    a `samplers.Daedal`: gen_length auto, each answer choosing its length); returns
     the final canvas, statistics and (optionally) a per-step trace. `profile` times every forward (synchronizing
     the device) into `stats.forward_seconds` by kind: `full` (every canvas row computed), `cached` (the other
     rows read from the cache), `verify` (draft batches). See `Batch` for `callback`, `compile` and `guidance`."""
@@ -461,18 +548,20 @@ def decode(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache
 
 
 @torch.no_grad()
-def decoded(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache: Cache, gen_length: int,
-            block_length: int, steps: int | None = None, seed: int | list[int] = 0, stop_early: bool = True,
+def decoded(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cache: Cache,
+            gen_length: int | samplers_mod.Daedal, block_length: int, steps: int | None = None,
+            seed: int | list[int] = 0, stop_early: bool = True,
             trace: bool = False, profile: bool = False, callback: Callable[[dict], None] | None = None,
             compile: bool = False, logprobs: int | None = None, prefix_cache: PrefixBlocks | None = None,
             guidance: Guidance = Guidance()) -> Batch:
     """`decode`'s batch once decoded: its rows' answers and (`logprobs=k`) their log-probabilities; `prefix_cache`
     and `guidance` as `Batch`'s."""
     steps_per_block = check_lengths(gen_length, block_length, steps, uniform=model.config.mask_id is None)
-    Canvas.check(model, prompts, gen_length)  # every prompt's error before any work
+    auto = isinstance(gen_length, samplers_mod.Daedal)  # gen_length auto: the answers start at its initial length
+    Canvas.check(model, prompts, gen_length.initial_gen_length if auto else gen_length)  # each error before any work
     check_logprobs(logprobs)
     batch = Batch(model, sampler, cache, block_length, steps_per_block, stop_early, trace, profile, callback, compile,
-                  prefix_cache, guidance)
+                  prefix_cache, guidance, gen_length if auto else None)
     for ids, row_seed in zip(prompts, seed if isinstance(seed, list) else [seed] * len(prompts)):
         batch.add(ids, gen_length, row_seed, logprobs=logprobs)
     while batch.running:

@@ -11,7 +11,7 @@ from .. import cache as caches
 from .. import samplers as samplers_mod
 from ..core.errors import DllmError
 from ..models import ARCHITECTURES_BY_NAME, DiffusionLM
-from .checks import check_guidance, check_lengths
+from .checks import check_auto_length, check_guidance, check_lengths
 from .guidance import Guidance
 
 if TYPE_CHECKING:
@@ -130,6 +130,12 @@ def _lengths(model: DiffusionLM, gen_length, block_length, steps) -> tuple[dict[
     own, family = model.generation_defaults, family_decoding(model)
     sources = {name: "caller" for name, v in (("gen_length", gen_length), ("block_length", block_length),
                                                ("steps", steps)) if v is not None}
+    if isinstance(gen_length, samplers_mod.Daedal):  # gen_length auto: blocks of the caller's or ours, no steps
+        block_length = DEFAULT_BLOCK_LENGTH if block_length is None else block_length
+        sources.setdefault("block_length", "dllm default")
+        sources["steps"] = "gen_length auto: block_length per block (a schedule's steps)"
+        check_lengths(gen_length, block_length, steps)
+        return {"gen_length": gen_length, "block_length": block_length, "steps": None}, sources
     from_file = []
 
     def from_own(name: str, given):
@@ -175,6 +181,29 @@ def _default_block(gen_length) -> int:
     return max(b for b in range(1, min(gen_length, DEFAULT_BLOCK_LENGTH) + 1) if gen_length % b == 0)
 
 
+def auto_length(gen_length, length_args: dict[str, Any] | None) -> Any:
+    """gen_length as given, or "auto" as DAEDAL's length policy (`samplers.Daedal`) with `length_args` (its
+    parameters: max_gen_length, initial_gen_length, ...), which need it."""
+    if isinstance(length_args, dict) and not length_args:
+        length_args = None
+    if length_args is not None and not isinstance(length_args, dict):
+        raise DllmError(f"length_args must be a dict of gen_length auto's parameters, got {length_args!r}")
+    if isinstance(gen_length, str) and gen_length != "auto":
+        raise DllmError(f"gen_length must be a number of answer tokens or 'auto', got {gen_length!r}")
+    if isinstance(gen_length, samplers_mod.Daedal) and length_args is not None:
+        raise DllmError(f"{', '.join(length_args)} given with a ready length policy (samplers.Daedal); set them on it")
+    if gen_length != "auto":
+        if length_args is not None:
+            raise DllmError(f"{', '.join(length_args)} set{'s' if len(length_args) == 1 else ''} how gen_length auto "
+                            f"grows an answer; add gen_length='auto' (CLI: --gen-length auto) or drop it")
+        return gen_length
+    unknown = sorted(set(length_args or {}) - set(samplers_mod.Daedal.param_names()))
+    if unknown:
+        raise DllmError(f"unknown parameter {unknown[0]!r} for gen_length auto (DAEDAL); it takes "
+                        f"{', '.join(samplers_mod.Daedal.param_names())}")
+    return samplers_mod.Daedal(**(length_args or {}))
+
+
 def lengths_for_answer(lengths: dict[str, int | None], max_tokens: int | None) -> dict[str, int | None]:
     """Decoding lengths (`decoding_lengths`) for an answer of at most `max_tokens` tokens: the canvas in whole
     blocks, the same steps per token; the caller cuts the answer at `max_tokens`."""
@@ -196,35 +225,49 @@ class Settings:
 
     sampler: Sampler
     cache: Cache
-    lengths: dict[str, int | None]
+    lengths: dict[str, Any]  # gen_length: answer tokens, or a `samplers.Daedal` (gen_length auto)
     guidance: Guidance
     sources: dict[str, str]
     notes: dict[str, str]
 
     def explain(self) -> dict[str, Any]:
         """`{"settings": {name: {"value", "from"}}, "generation_config.json": notes}` (`dllm generate --explain`)."""
+        gen = self.lengths["gen_length"]
+        auto = isinstance(gen, samplers_mod.Daedal)
         values = {"sampler": self.sampler.name, **{f"sampler.{k}": v for k, v in self.sampler.config().items()
                                                    if k != "name"},
                   "cache": self.cache.name, **{f"cache.{k}": v for k, v in self.cache.config().items() if k != "name"},
-                  **self.lengths, **self.guidance.config()}
-        settings = {name: {"value": value, "from": self.sources.get(name, f"the {name.split('.')[0]}'s default")}
-                    for name, value in values.items()}
+                  **self.lengths, "gen_length": "auto" if auto else gen,
+                  **({f"length.{k}": v for k, v in gen.config().items() if k != "name"} if auto else {}),
+                  **self.guidance.config()}
+        defaults = {"length": "DAEDAL's paper"}
+        settings = {name: {"value": value, "from": self.sources.get(name, defaults.get(
+            name.split(".")[0], f"the {name.split('.')[0]}'s default"))} for name, value in values.items()}
         return {"settings": settings, "generation_config.json": dict(self.notes)}
 
 
 def settle(model: DiffusionLM, sampler: str | Sampler | None = None, cache: str | Cache | None = None,
            params: dict[str, Any] | None = None, sampler_args: dict[str, Any] | None = None,
-           cache_args: dict[str, Any] | None = None, gen_length: int | None = None, block_length: int | None = None,
-           steps: int | None = None, cfg_scale: float = 0.0, logits_eos_inf: bool = False,
-           confidence_eos_eot_inf: bool = False) -> Settings:
+           cache_args: dict[str, Any] | None = None, gen_length: int | str | Any = None,
+           block_length: int | None = None, steps: int | None = None, cfg_scale: float = 0.0,
+           logits_eos_inf: bool = False, confidence_eos_eot_inf: bool = False,
+           length_args: dict[str, Any] | None = None) -> Settings:
     """The caller's settings over the model's, each with where it came from: the sampler and its parameters
     (`model_sampler`), the cache (the caller's, else `default_cache`), the lengths (`decoding_lengths`) and LLaDA's
-    options (`engine.guidance`). Every value is checked before any work."""
+    options (`engine.guidance`). Every value is checked before any work. gen_length "auto" (with `length_args`, or a
+    `samplers.Daedal`): each answer chooses its length (DAEDAL), decoded with sampler threshold (DAEDAL's fill rule)
+    unless one is named."""
     params = dict(params or {})
     for name, args in (("sampler_args", sampler_args), ("cache_args", cache_args)):
         if args is not None and not isinstance(args, dict):
             raise DllmError(f"{name} must be a dict of parameters, got {args!r}")
-    sampler, sampler_args, sources, notes = _model_sampler(model, sampler, sampler_args)
+    gen_length = auto_length(gen_length, length_args)
+    auto = isinstance(gen_length, samplers_mod.Daedal)
+    fill_rule = auto and sampler is None
+    sampler, sampler_args, sources, notes = _model_sampler(model, "threshold" if fill_rule else sampler, sampler_args)
+    if fill_rule:
+        sources["sampler"] = "gen_length auto: DAEDAL's fill rule (threshold 0.9)"
+    sources.update({f"length.{name}": "caller" for name in length_args or {}})
     for kind, names in (("sampler", params), ("cache", [*(cache_args or {}), *params])):
         sources.update({f"{kind}.{name}": "caller" for name in names})
     sources["cache"] = "caller" if cache is not None else "dllm default for this model"
@@ -235,5 +278,7 @@ def settle(model: DiffusionLM, sampler: str | Sampler | None = None, cache: str 
     for name, value in guidance.config().items():
         sources[name] = "caller" if value else "off by default, as in LLaDA's generate.py"
     check_guidance(model, sampler, cache, guidance)
+    if auto:
+        check_auto_length(model, sampler, cache, False, guidance)
     return Settings(sampler, cache, lengths, guidance, {**sources, **length_sources},
                     {**model.generation_defaults.notes, **notes})
