@@ -55,7 +55,8 @@ def _prepare(model: DiffusionLM, tokenizer, prompts, sampler, cache, gen_length,
     ids = encode_prompts(tokenizer, prompts, chat)
     if isinstance(seed, list) and len(seed) != len(ids):
         raise DllmError(f"seed is a list of {len(seed)} seeds for {len(ids)} prompts; give one per prompt or one int")
-    Canvas.check(model, ids, settings.lengths["gen_length"])  # ids outside the vocabulary, before any decodes them
+    length = settings.lengths["gen_length"]  # (ids outside the vocabulary are refused before anything decodes them)
+    Canvas.check(model, ids, length.initial_gen_length if isinstance(length, Daedal) else length)
     warn_outside_format(model, tokenizer, ids)
     settings.sampler.prepare(tokenizer)
     return settings, ids
