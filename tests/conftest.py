@@ -34,6 +34,20 @@ def random_model(preset: str, seed: int = 0, std: float = 0.2):
     return model.eval()
 
 
+@pytest.fixture(scope="session")
+def tiny_llada():
+    """The shipped tiny-llada and its tokenizer, loaded once for the session (a test must not change its weights)."""
+    import dllm
+    return dllm.load("tiny-llada")
+
+
+@pytest.fixture(scope="session")
+def tiny_dream():
+    """The shipped tiny-dream and its tokenizer, loaded once for the session (a test must not change its weights)."""
+    import dllm
+    return dllm.load("tiny-dream")
+
+
 @pytest.fixture(scope="module", params=["llada-tiny", "dream-tiny", "tiny-llada", "tiny-dream"])
 def any_model(request):
     """Random-weight tiny presets and the shipped tiny models, for tests that every combination runs."""

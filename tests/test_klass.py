@@ -19,16 +19,6 @@ from dllm.engine.text import encode_prompts
 PROMPTS = ["reverse: abc12", "sort: 42,07,19,03", "add: 0457+0168", "copy: k3x9a"]
 
 
-@pytest.fixture(scope="module")
-def llada():
-    return dllm.load("tiny-llada")
-
-
-@pytest.fixture(scope="module")
-def dream():
-    return dllm.load("tiny-dream")
-
-
 def kl_step(p, previous, history):
     """The authors' KL of this step's distributions from the last step's, rolled into the history (newest last)."""
     kl = (p * (torch.log(p + 1e-12) - torch.log(previous + 1e-12))).sum(-1)
@@ -145,8 +135,8 @@ LLADA_CONFIGS = {  # the spec's fidelity configurations (a)-(c), and the authors
 
 
 @pytest.mark.parametrize("config", list(LLADA_CONFIGS))
-def test_llada_klass_is_the_authors_stable_confident_decode(llada, config):
-    model, tok = llada
+def test_llada_klass_is_the_authors_stable_confident_decode(tiny_llada, config):
+    model, tok = tiny_llada
     c = LLADA_CONFIGS[config]
     seen = Counter()
     for ids, prompt in zip(encode_prompts(tok, PROMPTS, chat=True), PROMPTS):
@@ -160,22 +150,22 @@ def test_llada_klass_is_the_authors_stable_confident_decode(llada, config):
         assert seen["ready"] == seen["fallback"] == len(PROMPTS) * 2
 
 
-def test_the_comparison_sees_the_distributions_carried_across_blocks(llada):
+def test_the_comparison_sees_the_distributions_carried_across_blocks(tiny_llada):
     """Reset at every block, the authors' decoding would give other tokens or forwards: configuration (a)'s
     comparison above covers the carry-over."""
-    model, tok = llada
+    model, tok = tiny_llada
     c = LLADA_CONFIGS["a"]
     runs = [[reference_llada(model, ids, **c, carry=carry)[:2] for ids in encode_prompts(tok, PROMPTS, chat=True)]
             for carry in (True, False)]
     assert runs[0] != runs[1]
 
 
-def test_llada_klass_on_a_random_model(llada):
+def test_llada_klass_on_a_random_model(tiny_llada):
     """A random model's near-uniform predictions: low thresholds make both branches decide. With two positions a
     step (steps = gen_length / 2) a ready step may commit one where the schedule says two: the authors' block then
     ends with a mask left for good, where ours commits every mask left at the block's last step (the one
     difference); the other runs agree."""
-    model, tok = random_model("llada-tiny"), llada[1]
+    model, tok = random_model("llada-tiny"), tiny_llada[1]
     seen, left = Counter(), 0
     for ids, prompt in zip(encode_prompts(tok, PROMPTS, chat=True), PROMPTS):
         for steps in (16, 8):
@@ -200,8 +190,8 @@ DREAM_CONFIGS = {  # the spec's (d), the authors' defaults and their GSM8K setti
 
 
 @pytest.mark.parametrize("config", list(DREAM_CONFIGS))
-def test_dream_klass_is_the_authors_sample(dream, config):
-    model, tok = dream
+def test_dream_klass_is_the_authors_sample(tiny_dream, config):
+    model, tok = tiny_dream
     c = DREAM_CONFIGS[config]
     seen = Counter()
     for ids, prompt in zip(encode_prompts(tok, PROMPTS, chat=True), PROMPTS):
@@ -216,10 +206,10 @@ def test_dream_klass_is_the_authors_sample(dream, config):
         assert seen["ready"] and seen["fallback"]
 
 
-def test_dream_fallback_by_top_p_differs_from_plain(dream):
+def test_dream_fallback_by_top_p_differs_from_plain(tiny_dream):
     """top_p changes which position the fallback commits (the truncated distribution's largest probability), so
     the top_p comparison above is one."""
-    model, tok = dream
+    model, tok = tiny_dream
     c = {k: v for k, v in DREAM_CONFIGS["top_p"].items() if k != "top_p"}
     ids = encode_prompts(tok, PROMPTS, chat=True)
     assert [reference_dream(model, p, 16, 16, **c)[:2] for p in ids] != \
@@ -227,10 +217,10 @@ def test_dream_fallback_by_top_p_differs_from_plain(dream):
 
 
 @pytest.mark.parametrize("name", ["tiny-llada", "tiny-dream"])
-def test_a_padded_row_is_its_prompt_alone(llada, dream, name):
+def test_a_padded_row_is_its_prompt_alone(tiny_llada, tiny_dream, name):
     """Rows of one batch take different numbers of steps per block; a row waiting for the others keeps its own
     distributions and history (its zero logits never enter them)."""
-    model, tok = llada if name == "tiny-llada" else dream
+    model, tok = tiny_llada if name == "tiny-llada" else tiny_dream
     args = dict(gen_length=32, block_length=8 if name == "tiny-llada" else 32, steps=32, threshold=0.6,
                 kl_threshold=0.015, seed=[0, 1, 2, 3])
     batch, nfe = ours(model, tok, PROMPTS, **args)
@@ -240,10 +230,10 @@ def test_a_padded_row_is_its_prompt_alone(llada, dream, name):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_rows_sampled_with_their_own_generators(llada, dream, temperature):
+def test_rows_sampled_with_their_own_generators(tiny_llada, tiny_dream, temperature):
     """At temperature > 0 (LLaDA's exp(l) / g^T, Dream's drawn fallback position) each row draws from its own
     generator: two copies of a prompt in one batch agree with it alone."""
-    for model, tok in (llada, dream):
+    for model, tok in (tiny_llada, tiny_dream):
         args = dict(gen_length=16, block_length=16, steps=16, temperature=temperature, threshold=0.99,
                     kl_threshold=1e-4)
         batch, _ = ours(model, tok, [PROMPTS[2], PROMPTS[0], PROMPTS[2]], **args, seed=[5, 0, 5])
@@ -252,17 +242,17 @@ def test_rows_sampled_with_their_own_generators(llada, dream, temperature):
 
 
 @pytest.mark.parametrize("cache", ["prefix", "dual", "dkv"])
-def test_caches_refreshed_every_step_are_no_cache(llada, cache):
+def test_caches_refreshed_every_step_are_no_cache(tiny_llada, cache):
     """The positions after the block get logits under every cache that KLASS runs with (prefix and dual compute
     them, dkv every masked row), so refreshed every step each decodes what no cache does."""
-    model, tok = llada
+    model, tok = tiny_llada
     args = dict(gen_length=32, block_length=8, steps=32, threshold=0.6, kl_threshold=0.015)
     assert ours(model, tok, PROMPTS, cache=cache, cache_args={"refresh_every": 1}, **args) == \
         ours(model, tok, PROMPTS, **args)
 
 
-def test_what_cannot_work_is_refused(llada):
-    model, tok = llada
+def test_what_cannot_work_is_refused(tiny_llada):
+    model, tok = tiny_llada
     with pytest.raises(DllmError, match="cache 'dkv_greedy' needs a sampler whose next commits are known"):
         dllm.generate(model, tok, PROMPTS, sampler="klass", cache="dkv_greedy")
     with pytest.raises(DllmError, match=r"^sampler 'klass' cannot decode llada: top_p picks the fallback position of "
@@ -303,9 +293,9 @@ def test_llada_rows_with_their_own_settings_equal_each_alone():
     assert alone != [answers([(p, rows[0])])[0] for p in prompts]  # the settings decide
 
 
-def test_dream_rows_with_their_own_top_p_equal_each_alone(dream):
+def test_dream_rows_with_their_own_top_p_equal_each_alone(tiny_dream):
     """top_p per row (None in some rows) on tiny-dream, where it moves the fallback position."""
-    model, tok = dream
+    model, tok = tiny_dream
     ids = encode_prompts(tok, PROMPTS, chat=True)
     rows = [samplers.SAMPLERS.create("klass", history_length=3, top_p=p) for p in (None, 0.5, 0.5, None)]
 

@@ -24,16 +24,6 @@ import count_token_frequency  # noqa: E402
 PROMPTS = ["reverse: abc12", "sort: 42,07,19,03", "add: 0457+0168", "copy: k3x9a"]
 
 
-@pytest.fixture(scope="module")
-def llada():
-    return dllm.load("tiny-llada")
-
-
-@pytest.fixture(scope="module")
-def dream():
-    return dllm.load("tiny-dream")
-
-
 def baseline(path, vocab):
     """`load_baseline`: count / num_token per listed token, 1 / num_token for the others, float32."""
     data = json.loads(path.read_text())
@@ -92,10 +82,10 @@ CONFIGS = {  # the spec's fidelity configurations (a)-(c)
 
 @pytest.mark.parametrize("config,name", [(c, n) for c in CONFIGS for n in ("tiny-llada", "tiny-dream")
                                          if (c, n) != ("c", "tiny-dream")])  # (c): 128 forwards, LLaDA's only
-def test_pc_sampler_is_the_authors_generate_with_pc_sampler(llada, dream, name, config):
+def test_pc_sampler_is_the_authors_generate_with_pc_sampler(tiny_llada, tiny_dream, name, config):
     """On tiny-llada the authors' LLaDA code; on tiny-dream the same rule on its aligned logits (their code is
     LLaDA's)."""
-    model, tok = llada if name == "tiny-llada" else dream
+    model, tok = tiny_llada if name == "tiny-llada" else tiny_dream
     c = CONFIGS[config]
     table = baseline(SHIPPED_DIR / name / "token_frequency.json", model.config.vocab_size)
     prompts = PROMPTS if config != "c" else PROMPTS[2:3]
@@ -109,25 +99,25 @@ def test_pc_sampler_is_the_authors_generate_with_pc_sampler(llada, dream, name, 
     assert (tied > 0) == (config != "a")  # ties decided in (b) and (c)
 
 
-def test_a_padded_batch_is_each_prompt_alone(llada):
-    model, tok = llada
+def test_a_padded_batch_is_each_prompt_alone(tiny_llada):
+    model, tok = tiny_llada
     args = dict(gen_length=32, block_length=8, steps=16, position_decay=0.5, clip=1.0)
     batch, _ = ours(model, tok, PROMPTS, **args)
     assert batch == [ours(model, tok, [p], **args)[0][0] for p in PROMPTS]
 
 
-def test_the_shipped_tables_count_the_training_split(llada, dream):
+def test_the_shipped_tables_count_the_training_split(tiny_llada, tiny_dream):
     """Both counted from the same texts (`make_split("train", 40000)`: 200,000 examples, each answer with one
     '####'), each with its own tokenizer's ids."""
     by_text = []
-    for model, tok in (llada, dream):
+    for model, tok in (tiny_llada, tiny_dream):
         table = json.loads((SHIPPED_DIR / tok.name_or_path.split("/")[-1] / "token_frequency.json").read_text())
         assert table["total"] == sum(table["counts"].values())
         by_text.append({tok.convert_ids_to_tokens(int(i)): n for i, n in table["counts"].items()})
     assert by_text[0] == by_text[1] and by_text[0]["#"] == 4 * 200_000
 
 
-def test_a_checkpoint_reads_its_table_and_the_script_writes_it(tmp_path, llada):
+def test_a_checkpoint_reads_its_table_and_the_script_writes_it(tmp_path, tiny_llada):
     """The table beside a checkpoint (counted by scripts/count_token_frequency.py from a JSONL corpus) is the one
     the sampler reads; missing, it is a one-line error naming the file and the command, before any work."""
     model_dir = tmp_path / "tiny"
@@ -144,20 +134,20 @@ def test_a_checkpoint_reads_its_table_and_the_script_writes_it(tmp_path, llada):
     assert table["total"] == 18 and table["counts"][str(tok.convert_tokens_to_ids("#"))] == 4
     args = dict(gen_length=16, block_length=16, steps=16)
     assert ours(model, tok, PROMPTS, **args) == ours(model, tok, PROMPTS, **args, frequency_file=str(
-        model_dir / "token_frequency.json")) != ours(*llada, PROMPTS, **args)  # its own table decides
+        model_dir / "token_frequency.json")) != ours(*tiny_llada, PROMPTS, **args)  # its own table decides
 
 
-def test_the_authors_table_format_is_read(tmp_path, llada):
+def test_the_authors_table_format_is_read(tmp_path, tiny_llada):
     ours_file = SHIPPED_DIR / "tiny-llada" / "token_frequency.json"
     table = json.loads(ours_file.read_text())
     theirs = tmp_path / "reference_corpus_tiny.json"
     theirs.write_text(json.dumps({"num_token": table["total"], "p_baseline_dict": table["counts"]}))
     args = dict(gen_length=16, block_length=8, steps=16)
-    assert ours(*llada, PROMPTS, **args, frequency_file=str(theirs)) == ours(*llada, PROMPTS, **args)
+    assert ours(*tiny_llada, PROMPTS, **args, frequency_file=str(theirs)) == ours(*tiny_llada, PROMPTS, **args)
 
 
-def test_bad_tables_are_refused(tmp_path, llada):
-    model, tok = llada
+def test_bad_tables_are_refused(tmp_path, tiny_llada):
+    model, tok = tiny_llada
     bad = tmp_path / "bad.json"
     for content, error in [({"total": 10}, "is no token-frequency table"),
                            ({"total": 10, "counts": {"a": 3}}, "lists a token that is no integer id"),
