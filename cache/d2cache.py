@@ -41,7 +41,7 @@ from .base import Cache, KVStore, index_rows, write_rows, zeros
 @register("d2cache")
 @dataclass
 class D2Cache(Cache):
-    """d2Cache: recompute the likeliest next masks, the new tokens and the most attended other rows.
+    """d2Cache (arXiv 2509.23094): recompute the likeliest next masks, the new tokens and the most attended other rows.
 
     Masks by first-step confidence x certainty density, other rows by attention rollout; no refresh. The authors
     decode with it one token per step over one block (`--sampler certainty_prior`, block_length = gen_length)."""

@@ -32,7 +32,8 @@ from .base import Cache, KVStore, zeros
 @register("dllm_cache")
 @dataclass
 class DllmCache(Cache):
-    """dLLM-Cache: reuse each layer's attention and feed-forward outputs; refresh prompt and answer at intervals.
+    """dLLM-Cache (arXiv 2506.06295): reuse each layer's attention and feed-forward outputs; refresh prompt and
+    answer at intervals.
 
     In between, each layer recomputes the answer rows whose values moved most (V-verify). Kp = Kr = 1 is no cache."""
 
