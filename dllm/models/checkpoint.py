@@ -15,6 +15,7 @@ from torch import nn
 from ..core.errors import DllmError
 from . import ARCHITECTURES_BY_NAME, DiffusionLM
 from .quantize import FORMAT, flatten_state, torchao
+from .sharding import SKIP, local_config, local_target, pieces
 from .transformer import shard_rows
 
 
@@ -114,13 +115,13 @@ def _shard_files(path: Path) -> dict[str, Path]:
     raise DllmError(f"{path} has no model.safetensors or model.safetensors.index.json; download the weights")
 
 
-def _target(model: DiffusionLM, params: dict, ours: str) -> torch.Tensor:
+def _target(model: DiffusionLM, params: dict, ours: str, cfg=None) -> torch.Tensor:
     """Our tensor for a name-table entry: a parameter, one expert of a stacked one (`name@e`), or the rows of a
-    fused one (`name:shard`)."""
+    fused one (`name:shard`, by `cfg`'s sizes: a tensor-parallel shard's `local_config`; default the model's)."""
     name, _, shard = ours.partition(":")
     name, _, expert = name.partition("@")
     t = params[name][int(expert)] if expert else params[name]
-    return t[shard_rows(model.config, shard, t.shape[0])] if shard else t
+    return t[shard_rows(cfg or model.config, shard, t.shape[0])] if shard else t
 
 
 FLOAT_WEIGHTS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -132,11 +133,13 @@ def _part_of(ours: str) -> str:
     return f"{top}.{rest.partition('.')[0]}" if top == "layers" else top
 
 
-def checkpoint_fill(model: DiffusionLM, path: Path, table: dict[str, str], device, skipped: tuple[str, ...] = ()):
+def checkpoint_fill(model: DiffusionLM, path: Path, table: dict[str, str], device, skipped: tuple[str, ...] = (),
+                    whole: DiffusionLM | None = None):
     """A `fill` that streams each part's tensors from the safetensors files, checked first, strictly: no missing
     or extra names (but those starting with a `skipped` prefix and not in the table), and every parameter of ours
     written (the model's memory is uninitialised until then). A part opens (memory-maps) the files it reads and
-    closes them, so the checkpoint's pages never all count as ours."""
+    closes them, so the checkpoint's pages never all count as ours. `model` a tensor-parallel shard: `whole` is the
+    whole model on the meta device, and each tensor's piece (`sharding.pieces`) is read alone."""
     params = dict(model.named_parameters())
     names = table_names(model, table)
     unfilled = set(params) - {_parameter(ours) for ours in names.values()}
@@ -155,18 +158,44 @@ def checkpoint_fill(model: DiffusionLM, path: Path, table: dict[str, str], devic
     for name, ours in names.items():
         by_part.setdefault(_part_of(ours), {}).setdefault(files[name], []).append(name)
 
+    shard = model.tp
+    local = None if shard is None else local_config(model.config, shard.size)
+    whole_params = None if whole is None else dict(whole.named_parameters())
+
+    def read(handle, f: Path, name: str) -> torch.Tensor | None:
+        """The tensor `name` (a shard's piece of it; None: none on this rank)."""
+        if shard is None:
+            return handle.get_tensor(name)
+        piece = pieces(model.config, shard, names[name])
+        if piece == SKIP:
+            return None
+        stored = handle.get_slice(name)
+        expected = tuple(_target(whole, whole_params, names[name]).shape)
+        if tuple(stored.get_shape()) != expected:
+            raise DllmError(f"{f.name}: {name} has shape {tuple(stored.get_shape())}, config.json "
+                            f"implies {expected}; the config and weights do not belong together")
+        if piece is None:
+            return stored[:]
+        dim, ranges = piece
+        return torch.cat([stored[a:b] if dim == 0 else stored[:, a:b] for a, b in ranges], dim)
+
     @torch.no_grad()
     def fill(prefix: str, part: nn.Module) -> None:
         part_params = dict(part.named_parameters(prefix=prefix))
         for f, tensor_names in by_part.get(prefix, {}).items():
             try:
                 with safe_open(str(f), framework="pt", device=str(device)) as handle:
-                    tensors = {name: handle.get_tensor(name) for name in tensor_names}
+                    tensors = {name: read(handle, f, name) for name in tensor_names}
+            except DllmError:
+                raise
             except Exception as e:
                 raise DllmError(f"{f} is corrupt ({type(e).__name__}: {_first_line(e)}); "
                                 f"re-download the checkpoint") from None
             for name, t in tensors.items():
-                p = _target(model, part_params, names[name])
+                if t is None:
+                    continue
+                p = (_target(model, part_params, names[name]) if shard is None else
+                     _target(model, part_params, local_target(model.config, shard, names[name]), local))
                 if t.dtype not in FLOAT_WEIGHTS:
                     raise DllmError(f"{f.name}: {name} is {t.dtype}; dllm loads float32, bfloat16 or float16 "
                                     f"weights (dequantize the checkpoint first)")

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .moe import GatedMLP, MoE
+from .sharding import expected_embedding
 from .transformer import KVAccess, ModelConfig, Network, Rows, head, rope, rope_frequencies, rope_tables
 
 
@@ -188,8 +189,9 @@ class DiffusionGemma(Network):
         self.full_inv_freq = full_rope_frequencies(self.config, self.full_inv_freq.device)
 
     def kv_shapes(self) -> list[tuple[int, int]]:
-        """Key/value heads and head size of every layer (a cache's store is shaped by them)."""
-        return [self.config.kv_shape(i) for i in range(self.config.n_layers)]
+        """Key/value heads (this rank's, tensor parallel) and head size of every layer (a cache's store is shaped by
+        them)."""
+        return [(layer.n_kv_heads, layer.head_dim) for layer in self.layers]
 
     def visible_keys(self, query_positions: Tensor, key_positions: Tensor, key_mask: Tensor | None,
                      window: tuple[Tensor, Tensor] | None = None) -> Masks:
@@ -223,7 +225,7 @@ class DiffusionGemma(Network):
         """The expected (scaled) embedding under softmax(logits) `[B, A, V]`: self-conditioning's input."""
         probs = logits.to(self.dtype).softmax(-1, dtype=torch.float32)  # rounded to the weights' type first, as
         # transformers' generate passes the logits on
-        return probs.to(self.dtype) @ self.embed.weight * self.embed_scale()
+        return expected_embedding(probs.to(self.dtype), self.embed) * self.embed_scale()
 
     def run(self, tokens: Tensor, positions: Tensor, key_mask: Masks, kv: KVAccess | None = None,
             rows: Rows | None = None, logit_rows: Tensor | None = None,

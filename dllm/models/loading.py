@@ -7,17 +7,20 @@ built on the meta device and each part gets memory, weights and (optionally) qua
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from ..core.checks import choose_from
+from ..core.checks import check_int, choose_from
 from ..core.errors import DllmError
 from . import ARCHITECTURES_BY_NAME, PRESETS, DiffusionLM, ModelConfig, architecture_of
 from .checkpoint import checkpoint_fill, load_tokenizer, read_json
 from .generation import GenerationConfig, read_generation_config
+from .parallel import RankFailed, Ranks, ranks
 from .quantize import check_quantization, check_saved_quantization, quantize_part, quantized_fill, saved_quantization
+from .sharding import Shard, pieces, refusal, shard_model, take
 from .threads import requested_threads, set_threads
 
 SHIPPED_DIR = Path(__file__).parent / "checkpoints"
@@ -52,7 +55,7 @@ def describe_models() -> list[dict[str, str]]:
 
 def load(name_or_path: str, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
          seed: int = 0, threads: int | None = None, quantize: str | None = None, quantize_head: bool = False,
-         weights: bool = True):
+         weights: bool = True, tensor_parallel: int = 1):
     """Return `(model, tokenizer)` for a shipped name (`tiny-llada`), `random:<preset>`, or a local directory.
 
     dtype defaults to the checkpoint's own float type on GPU and float32 on CPU (bfloat16 for int4 and fp8).
@@ -60,7 +63,12 @@ def load(name_or_path: str, device: str | torch.device = "cpu", dtype: torch.dty
     one thread for a model under 10M parameters and the physical cores for a larger one; `model.threads` says
     which). quantize: a scheme of `dllm.models.quantize.SCHEMES` (int8, int8-dynamic, int4, fp8), applied to each
     layer as it loads; quantize_head quantizes the LM head too. A directory `save_pretrained` wrote from a
-    quantized model loads quantized as it was saved."""
+    quantized model loads quantized as it was saved.
+
+    `tensor_parallel=N`: the model is split over N processes (`sharding`: heads, feed-forward columns, experts,
+    vocabulary), this one rank 0, the others started for it (under `torchrun`, the processes it started, where this
+    call returns on rank 0 only: the others follow rank 0 until it exits); on CUDA rank r on GPU r. Every sampler and
+    cache decodes it as one process would. `weights=False` only checks that the model splits."""
     if not isinstance(name_or_path, (str, Path)) or not str(name_or_path):
         raise DllmError(f"model must be a name or a directory, got {name_or_path!r}; e.g. load(\"tiny-llada\")")
     requested = requested_threads(threads)
@@ -72,21 +80,75 @@ def load(name_or_path: str, device: str | torch.device = "cpu", dtype: torch.dty
         dtype = check_quantization(quantize, device, dtype)
     elif quantize_head:
         raise DllmError("quantize_head quantizes the head with the rest: add quantize=SCHEME (--quantize int8)")
+    size = check_int("tensor_parallel", tensor_parallel, 1)
+    if size > 1 and quantize is not None:
+        raise DllmError("a tensor-parallel model is not quantized (its shards are plain tensors); drop --quantize "
+                        "or --tensor-parallel")
+    if size > 1 and weights:
+        return _load_parallel(str(name_or_path), device, dtype, seed, requested, size)
     model, tokenizer = _load(str(name_or_path), device, dtype, seed, (quantize, quantize_head), weights)
+    if size > 1:
+        check_parallel(model.config, size)
     if weights:
         model.threads = set_threads(model, requested)
     return model, tokenizer
 
 
+def check_parallel(cfg: ModelConfig, size: int) -> None:
+    """Refuse (one line) a model that does not split over `size` ranks."""
+    why = refusal(cfg, size)
+    if why is not None:
+        raise DllmError(f"{cfg.arch} cannot run on {size} tensor-parallel ranks: {why}; choose a tensor_parallel "
+                        f"that divides it")
+
+
+def _load_parallel(name: str, device: torch.device, dtype: torch.dtype | None, seed: int,
+                   requested: tuple[int, str] | None, size: int):
+    """Rank 0's `load` of a tensor-parallel model: the config checked on the meta device, the other ranks started
+    (once per process) and loading their shards while this one loads its own."""
+    cfg = _load(name, device, dtype, seed, (None, False), weights=False)[0].config
+    check_parallel(cfg, size)
+    group = ranks(size, device)
+    key = group.build(_rank_shard, name, str(device), dtype, seed, requested, size)
+    model, tokenizer = _load_rank(name, str(device), dtype, seed, requested, size)
+    group.adopt(model, key)
+    return model, tokenizer
+
+
+def _rank_shard(*args):
+    """Another rank's shard of rank 0's `load`."""
+    return _load_rank(*args)[0]
+
+
+def _load_rank(name: str, device: str, dtype: torch.dtype | None, seed: int, requested, size: int):
+    """This rank's shard of a tensor-parallel `load` (and the tokenizer), once every rank has said it loaded."""
+    group, failure = ranks(size, torch.device(device)), None
+    try:
+        model, tokenizer = _load(name, group.device, dtype, seed, (None, False), parallel=group)
+        model.threads = set_threads(model, requested, size)
+    except DllmError as error:
+        failure = error
+        if not group.leader:
+            print(f"dllm: tensor-parallel rank {group.rank}: {error}", file=sys.stderr)
+    try:
+        group.agree(failure is None, "load its shard of the model")
+    except RankFailed:
+        if failure is not None and group.leader:
+            raise failure from None
+        raise
+    return model, tokenizer
+
+
 def _load(name_or_path: str, device: torch.device, dtype: torch.dtype | None, seed: int,
-          quantization: tuple[str | None, bool], weights: bool = True):
+          quantization: tuple[str | None, bool], weights: bool = True, parallel: Ranks | None = None):
+    """`load`'s model; `parallel`: this rank's shard of it."""
     if name_or_path.startswith("random:"):
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
             raise DllmError(f"seed (of the random weights) must be an integer in 0..2^63-1, got {seed!r}")
         return _load_random(name_or_path.removeprefix("random:"), device, dtype or torch.float32, seed, quantization,
-                            weights)
+                            weights, parallel)
     if name_or_path in shipped_models():  # a bare name; anything with a slash is a path, even `./tiny-llada`
-        return load_dir(SHIPPED_DIR / name_or_path, device, dtype, quantization, weights)
+        return load_dir(SHIPPED_DIR / name_or_path, device, dtype, quantization, weights, parallel)
     path = Path(name_or_path).expanduser()
     if path.is_file():
         raise DllmError(f"{name_or_path} is a file; give the checkpoint directory that holds it ({path.parent})")
@@ -96,7 +158,7 @@ def _load(name_or_path: str, device: torch.device, dtype: torch.dtype | None, se
     if not path.is_dir():
         raise DllmError(f"unknown model {name_or_path!r}; {choose_from(name_or_path, available_models())} "
                         f"(or give a local checkpoint directory)")
-    return load_dir(path, device, dtype, quantization, weights)
+    return load_dir(path, device, dtype, quantization, weights, parallel)
 
 
 def parse_device(device) -> torch.device:
@@ -132,29 +194,87 @@ def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
     raise DllmError(f"unsupported dtype {dtype!r}; use one of float32, bfloat16, float16")
 
 
-def _load_random(preset: str, device, dtype: torch.dtype, seed: int, quantization=(None, False), weights=True):
+def _load_random(preset: str, device, dtype: torch.dtype, seed: int, quantization=(None, False), weights=True,
+                 parallel: Ranks | None = None):
     if preset not in PRESETS:
         raise DllmError(f"unknown random model 'random:{preset}'; {choose_from(preset, list(PRESETS), 'random:')}")
     from .tokenizer import build_char_tokenizer
 
     cfg = PRESETS[preset]
     _check_head(cfg, *quantization)
-    model = meta_model(cfg, dtype)
+    model = meta_model(cfg, dtype, parallel)
     if weights:
-        materialize(model, device, random_fill(device, seed), *quantization)
+        fill = random_fill(device, seed)
+        if parallel is not None:  # each part drawn whole, as one process draws it, and this rank's pieces kept
+            fill = whole_parts_fill(meta_model(cfg, dtype), fill, model.tp, device)
+        materialize(model, device, fill, *quantization)
     return model.eval(), build_char_tokenizer(ARCHITECTURES_BY_NAME[cfg.arch].TOKENIZER_STYLE)
 
 
-def meta_model(cfg: ModelConfig, dtype: torch.dtype) -> DiffusionLM:
+def meta_model(cfg: ModelConfig, dtype: torch.dtype, parallel: Ranks | None = None) -> DiffusionLM:
     """A model (its architecture's `MODEL_CLASS`, else `DiffusionLM`) in `dtype` on the meta device: shapes only,
-    no memory."""
+    no memory; `parallel`: this rank's shard of it (`sharding.shard_model`)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            return getattr(ARCHITECTURES_BY_NAME[cfg.arch], "MODEL_CLASS", DiffusionLM)(cfg)
+            model = getattr(ARCHITECTURES_BY_NAME[cfg.arch], "MODEL_CLASS", DiffusionLM)(cfg)
+            return model if parallel is None else shard_model(model, Shard.of(parallel, cfg.vocab_size))
     finally:
         torch.set_default_dtype(previous)
+
+
+def whole_parts_fill(whole: DiffusionLM, fill, shard: Shard, device):
+    """A shard's `fill` from `fill` of the whole model `whole` (on the meta device): each part is made whole on
+    `device`, filled, and its pieces (`sharding.pieces`) copied into the shard's part; one whole part at a time."""
+    parts = dict(model_parts(whole))
+
+    @torch.no_grad()
+    def fill_shard(prefix: str, part: nn.Module) -> None:
+        full = parts[prefix].to_empty(device=device)
+        fill(prefix, full)
+        copy_pieces(prefix, full, part, whole.config, shard)
+        full.to_empty(device="meta")
+
+    return fill_shard
+
+
+@torch.no_grad()
+def copy_pieces(prefix: str, full: nn.Module, part: nn.Module, cfg: ModelConfig, shard: Shard) -> None:
+    """Copy into a shard's `part` its pieces of the whole model's `full` part (both named from `prefix`)."""
+    whole = dict(full.named_parameters(prefix=prefix))
+    for name, p in part.named_parameters(prefix=prefix):
+        p.copy_(take(whole[name], pieces(cfg, shard, name)))
+
+
+def parallel_copy(build, tensor_parallel: int):
+    """A tensor-parallel model on the CPU whose every rank builds the whole model by `build()` (a picklable callable,
+    e.g. `functools.partial(random_model, "llada-tiny")`) and keeps its shard: for tests and small models, each rank
+    holding a whole copy while it builds. Returns rank 0's shard."""
+    size = check_int("tensor_parallel", tensor_parallel, 2)
+    group = ranks(size, torch.device("cpu"))
+    key = group.build(_copy_shard, build, size)
+    model = _copy_shard(build, size)
+    group.adopt(model, key)
+    return model
+
+
+def _copy_shard(build, size: int) -> DiffusionLM:
+    whole = build()
+    check_parallel(whole.config, size)
+    group = ranks(size, torch.device("cpu"))
+    model = meta_model(whole.config, whole.dtype, group)
+    parts = dict(model_parts(whole))
+    materialize(model, "cpu", lambda prefix, part: copy_pieces(prefix, parts[prefix], part, whole.config, model.tp))
+    model.generation_defaults = whole.generation_defaults
+    return model.eval()
+
+
+def random_model(preset: str, seed: int = 0, std: float = 0.02, dtype: torch.dtype = torch.float32) -> DiffusionLM:
+    """`random:<preset>`'s network on the CPU with N(0, std) weights (tests take a larger std: sharper logits)."""
+    model = build_model(PRESETS[preset], "cpu", dtype)
+    init_random(model, seed, std)
+    return model.eval()
 
 
 def model_parts(model: DiffusionLM) -> list[tuple[str, nn.Module]]:
@@ -267,7 +387,8 @@ def read_config(path: Path) -> tuple[dict, object]:
 DLM_PAD = "<|dlm_pad|>"  # apple/DiffuCoder's padding after the answer (a Dream-layout checkpoint)
 
 
-def load_dir(path: Path, device="cpu", dtype: torch.dtype | None = None, quantization=(None, False), weights=True):
+def load_dir(path: Path, device="cpu", dtype: torch.dtype | None = None, quantization=(None, False), weights=True,
+             parallel: Ranks | None = None):
     hf, arch = read_config(path)
     saved = saved_quantization(hf, path)
     if saved is not None:  # a checkpoint save_pretrained wrote from a quantized model: loads as it was saved
@@ -297,13 +418,18 @@ def load_dir(path: Path, device="cpu", dtype: torch.dtype | None = None, quantiz
     _check_head(cfg, *quantization)
     if dtype is None:
         dtype = torch.float32 if torch.device(device).type == "cpu" else _checkpoint_dtype(hf, path)
-    model = meta_model(cfg, dtype)
+    if parallel is not None and saved is not None:
+        raise DllmError(f"{path} holds a quantized model, which is not split over tensor-parallel ranks; load the "
+                        f"unquantized checkpoint")
+    model = meta_model(cfg, dtype, parallel)
     if weights and saved is not None:
         materialize(model, device, quantized_fill(model, path, device))
         model.quantization = {"scheme": saved["scheme"], "head": saved["quantize_head"]}
     elif weights:
         skipped = getattr(arch, "SKIPPED_WEIGHTS", ())
-        materialize(model, device, checkpoint_fill(model, path, arch.WEIGHT_NAMES, device, skipped), *quantization)
+        whole = None if parallel is None else meta_model(cfg, dtype)
+        materialize(model, device, checkpoint_fill(model, path, arch.WEIGHT_NAMES, device, skipped, whole),
+                    *quantization)
     model.generation_defaults = generation
     return model.eval(), tokenizer
 

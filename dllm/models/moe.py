@@ -131,15 +131,24 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         chosen, weights = self.route(x if router_input is None else router_input.reshape(-1, shape[-1]))
+        routed = self.routed(x, chosen, weights)
+        if self.cfg.shared_size:
+            routed = routed + self.shared(x)
+        return routed.reshape(shape)
+
+    def routed(self, x: Tensor, chosen: Tensor, weights: Tensor) -> Tensor:
+        """Each token's weighted sum of its chosen experts' outputs `[N, D]` (`chosen`, `weights` `[N, K]`)."""
         experts, order = chosen.flatten().sort(stable=True)  # token copies grouped by expert
+        return self.grouped(x, experts, order, weights, self.cfg.n_experts)
+
+    def grouped(self, x: Tensor, experts: Tensor, order: Tensor, weights: Tensor, count: int) -> Tensor:
+        """The routed output of the token copies `order` (indices into the flattened `[N, K]` choices), sorted by
+        their experts `experts` (indices into this layer's `count` expert stacks)."""
         token = order // self.cfg.top_k
-        ends = torch.searchsorted(experts, torch.arange(self.cfg.n_experts, device=x.device), right=True)
+        ends = torch.searchsorted(experts, torch.arange(count, device=x.device), right=True)
         ends = ends.to(torch.int32)  # where each expert's rows end; a static shape, unlike bincount's
         gate_up, down = dense(self.experts_gate_up), dense(self.experts_down)  # quantized stacks: dequantized
         gate, up = grouped_matmul(x[token], gate_up.transpose(1, 2), ends).chunk(2, dim=-1)
         out = grouped_matmul(gate_activation(gate, self.cfg.activation) * up, down.transpose(1, 2), ends)
         out = out * weights.flatten()[order, None].to(out.dtype)
-        routed = torch.zeros_like(x).index_add_(0, token, out)
-        if self.cfg.shared_size:
-            routed = routed + self.shared(x)
-        return routed.reshape(shape)
+        return torch.zeros_like(x).index_add_(0, token, out)

@@ -62,9 +62,12 @@ def requested_threads(threads: int | None = None) -> tuple[int, str] | None:
     return None
 
 
-def set_threads(model, requested: tuple[int, str] | None) -> dict[str, int | str]:
+def set_threads(model, requested: tuple[int, str] | None, ranks: int = 1) -> dict[str, int | str]:
     """Set torch's thread count for this process (`torch.set_num_threads`) to the `requested_threads`, else to
-    `default_threads` for `model`; returns `{"threads": n, "chosen_by": why}`."""
+    `default_threads` for `model` shared by the `ranks` processes of a tensor-parallel model on one machine;
+    returns `{"threads": n, "chosen_by": why}`."""
     count, why = requested or default_threads(model.config.num_parameters())
+    if requested is None and ranks > 1:
+        count, why = max(1, count // ranks), f"{why}, shared by {ranks} tensor-parallel ranks"
     torch.set_num_threads(count)
     return {"threads": count, "chosen_by": why}

@@ -398,6 +398,7 @@ class Network(nn.Module):
         self.generation_defaults = GenerationConfig()  # its directory's generation_config.json (dllm.loading)
         self.threads: dict[str, int | str] = {}  # the CPU thread count `dllm.load` set, and why (models.threads)
         self.quantization: dict | None = None  # {"scheme": "int8", "head": False} once quantized (quantize.py)
+        self.tp = None  # a tensor-parallel model's `sharding.Shard` (this rank's heads, experts, vocabulary rows)
 
     def init_buffers(self) -> None:
         """Ties and computed buffers, again after `to_empty` (which leaves them unset); subclasses add theirs."""
@@ -431,8 +432,9 @@ class DiffusionLM(Network):
         self.inv_freq = rope_frequencies(self.config, self.inv_freq.device)
 
     def kv_shapes(self) -> list[tuple[int, int]]:
-        """Key/value heads and head size of every layer (a cache's store is shaped by them)."""
-        return [(self.config.n_kv_heads, self.config.head_dim)] * self.config.n_layers
+        """Key/value heads (this rank's, tensor parallel) and head size of every layer (a cache's store is shaped by
+        them)."""
+        return [(layer.n_kv_heads, layer.head_dim) for layer in self.layers]
 
     def visible_keys(self, query_positions: Tensor, key_positions: Tensor, key_mask: Tensor | None,
                      window: tuple[Tensor, Tensor] | None = None) -> Tensor | None:
