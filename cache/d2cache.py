@@ -32,6 +32,8 @@ from torch import Tensor
 
 from dllm.core.density import certainty_density
 from dllm.core.params import param
+from dllm.models.sharded_logits import ShardedLogits, set_column
+from dllm.models.sharding import head_mean
 from dllm.models.transformer import Rows, canvas_index, head
 
 from . import register
@@ -173,7 +175,7 @@ class D2Store(KVStore):
         if layer == 0:
             self.rollout = torch.eye(length, device=probs.device).expand(batch, -1, -1).clone()
         index = canvas_index(rows, self.attention_rows(layer, rows))
-        mixed = probs.mean(1).scatter_add(2, index[..., None], torch.ones_like(index[..., None], dtype=probs.dtype))
+        mixed = head_mean(probs, self.model.tp).scatter_add(2, index[..., None], torch.ones_like(index[..., None], dtype=probs.dtype))
         mixed = mixed / mixed.sum(-1, keepdim=True)
         write_rows(self.rollout, 1, rows if not rows.is_slice else Rows(index), mixed @ self.rollout)
 
@@ -198,7 +200,9 @@ class D2Store(KVStore):
     def greedy_confidence(self, hidden: Tensor) -> Tensor:
         """The largest probability (MASK excluded) of the predictions of final hidden states `[B, A, d]`."""
         logits = head(self.model.norm(hidden), self.model.lm_head.weight).float()
-        logits[..., self.model.config.mask_id] = float("-inf")
+        set_column(logits, self.model.config.mask_id, float("-inf"), self.model.tp)
+        if self.model.tp is not None:
+            return ShardedLogits(logits, self.model.tp).max_probability()
         return logits.softmax(-1).amax(-1)
 
     @property

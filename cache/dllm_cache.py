@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from dllm.core.params import param
+from dllm.models.sharding import cosine
 from dllm.models.transformer import Rows
 
 from . import register
@@ -93,7 +93,7 @@ class DllmStore(KVStore):
         `[B, int(G x ratio)]` answer offsets of the least similar, least first (`topk` order)."""
         values = self.model.layers[layer].values(x)
         stored = self.v[layer][:, :, self.gen_start:]
-        similarity = F.cosine_similarity(values.transpose(1, 2).flatten(2), stored.transpose(1, 2).flatten(2), dim=-1)
+        similarity = cosine(values.transpose(1, 2).flatten(2), stored.transpose(1, 2).flatten(2), -1, self.model.tp)
         self.v[layer][:, :, self.gen_start:] = self.verified = values
         count = int(x.shape[1] * self.policy.transfer_ratio)
         return similarity.topk(count, dim=1, largest=False).indices

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dllm.core.params import param
+from dllm.models.sharding import Shard, cosine, ranks_sum
 from dllm.models.transformer import Rows, attention_probabilities
 
 from . import register
@@ -29,18 +30,21 @@ from .base import Cache, KVStore, index_rows, predicting_rows, row_slots, write_
 WINDOW = {"llada": 16, "dream": 32}  # beta of the authors' eval scripts
 
 
-def attention_drift(before: Tensor, after: Tensor, rows_valid: Tensor, keys_valid: Tensor, axis: str) -> Tensor:
+def attention_drift(before: Tensor, after: Tensor, rows_valid: Tensor, keys_valid: Tensor, axis: str,
+                    shard: Shard | None = None) -> Tensor:
     """Elastic-Cache's similarity sigma per batch row: the mean cosine similarity of the tracked rows'
     attention `[B, H, R, Lk]` at the previous and the current step. `axis="keys"` compares each head's
     distribution over the keys (the paper); `"heads"` compares, at each key, the vector over heads (the authors'
-    LLaDA and Dream code). Only valid rows `[B, R]` and keys `[B, Lk]` count; NaN for a row with none."""
+    LLaDA and Dream code). Only valid rows `[B, R]` and keys `[B, Lk]` count; NaN for a row with none. On a
+    tensor-parallel rank `shard` the heads are its own: the sums run over every rank's."""
     if axis == "keys":
         similarity = F.cosine_similarity(before, after, dim=-1)  # [B, H, R]
-        weight = rows_valid[:, None, :].expand_as(similarity)
-    else:
-        similarity = F.cosine_similarity(before, after, dim=1)  # [B, R, Lk]
-        weight = rows_valid[:, :, None] & keys_valid[:, None, :]
-    weight = weight.float()
+        weight = rows_valid[:, None, :].expand_as(similarity).float()
+        sums = torch.stack(((similarity * weight).flatten(1).sum(1), weight.flatten(1).sum(1)))
+        total, count = ranks_sum(sums, shard)
+        return total / count
+    similarity = cosine(before, after, 1, shard)  # [B, R, Lk]
+    weight = (rows_valid[:, :, None] & keys_valid[:, None, :]).float()
     return (similarity * weight).flatten(1).sum(1) / weight.flatten(1).sum(1)
 
 
@@ -86,9 +90,9 @@ class ElasticStore(KVStore):
     def __init__(self, model, batch: int, length: int, policy: ElasticCache, allocate=zeros):
         cfg, dtype, device = model.config, model.dtype, model.device
         super().__init__(model.kv_shapes(), batch, length, dtype, device, allocate)
-        self.policy = policy
-        self.q = [torch.zeros(batch, cfg.n_heads, length, cfg.head_dim, dtype=dtype, device=device)
-                  for _ in range(cfg.n_layers)]
+        self.policy, self.shard = policy, model.tp
+        self.q = [torch.zeros(batch, layer.n_heads, length, layer.head_dim, dtype=dtype, device=device)
+                  for layer in model.layers]  # (this rank's heads, tensor parallel)
         self.x = [torch.zeros(batch, length, cfg.hidden_size, dtype=dtype, device=device)
                   for _ in range(cfg.n_layers)]
         self.tracked = torch.zeros(cfg.n_layers, batch, length, dtype=torch.bool, device=device)
@@ -136,10 +140,10 @@ class ElasticStore(KVStore):
         tracked = 0 if rows.is_slice else self.tracked_rows.index.shape[1]
         if tracked:
             sigma = attention_drift(self.past, probs[:, :, :tracked], self.tracked_rows.valid, self.keys_valid,
-                                    self.policy.drift_axis)
+                                    self.policy.drift_axis, self.shard)
             if (sigma < self.policy.gamma).any():
                 self.full_from = min(self.full_from, layer + 1)
-        received = (probs[:, :, tracked:] * self.window.valid[:, None, :, None]).sum((1, 2))
+        received = ranks_sum((probs[:, :, tracked:] * self.window.valid[:, None, :, None]).sum((1, 2)), self.shard)
         received = received.masked_fill(self.masked | ~self.keys_valid, float("-inf"))
         top = received.topk(min(self.policy.track_num, received.shape[1]), dim=1)
         self.tracked[layer] = torch.zeros_like(self.masked).scatter(1, top.indices, top.values > float("-inf"))

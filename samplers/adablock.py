@@ -24,6 +24,8 @@ class AdaBlock(Sampler):
     delimiter in a window of gen_length/4 if its confidence reaches delimiter_threshold; threshold decoding
     inside. Batch rows share block boundaries: the smallest block any row asks for is used."""
 
+    reads_shards: ClassVar[bool] = True
+
     threshold: float = param(0.9, "token commit threshold inside the block", ge=0.0)
     delimiter_threshold: float | None = param(None, "delimiter confidence that sets the block end (None: 0.3 for "
                                               "LLaDA, 0.5 for Dream, the paper's; inf disables)", ge=0.0,

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from dllm.core.params import Params, is_numeric, param, type_hints
+from dllm.models.sharded_logits import ShardedLogits
 
 
 @dataclass
@@ -112,6 +113,10 @@ class Sampler(Params):
     # every eligible position (`Commit.tokens`), so masks may be inserted between its steps (gen_length auto, DAEDAL)
     orders_by_token_probability: ClassVar[bool] = True  # commits in the order of `token_probability` (or at random),
     # so LLaDA's `confidence_eos_eot_inf` (`StepContext.unscored`, passed to `token_probability`) reaches its choice
+    reads_shards: ClassVar[bool] = False  # reads the logits only through this module's helpers (`gumbel_argmax`,
+    # `token_probability`, `token_entropy`, `tempered`), indexing of positions, `.argmax(-1)` and `.topk(k, -1)`:
+    # on a tensor-parallel model it gets each rank's vocabulary columns (`ShardedLogits`, statistics merged over the
+    # ranks) instead of the whole logits gathered on every rank
     temperature: float = param(0.0, "sampling temperature (0 = greedy)", ge=0.0)
 
     def step(self, ctx: StepContext) -> Commit:
@@ -273,6 +278,8 @@ def token_probability(logits: Tensor, tokens: Tensor, unscored: Tensor | None = 
     `StepContext.unscored`, LLaDA's `confidence_eos_eot_inf`): token ids (EOS, EoT; or a `[B, V]` mask, each row's
     own) scored as if their logit were -inf, so a position predicting one of them gets probability 0 and the
     others' probabilities leave out their mass (ML-GSAI/LLaDA `generate.py`)."""
+    if isinstance(logits, ShardedLogits):
+        return logits.token_probability(tokens, unscored)
     logits = logits.float()
     if unscored is not None and unscored.dim() == 2:  # a mask per row
         logits = logits.masked_fill(unscored.view(len(unscored), *[1] * (logits.dim() - 2), -1), float("-inf"))
@@ -293,6 +300,8 @@ def top_k_per_row(confidence: Tensor, eligible: Tensor, k: Tensor) -> Tensor:
 
 def token_entropy(logits: Tensor) -> Tensor:
     """Entropy (nats) of softmax(logits) over the last dimension, in float32 (a -inf logit counts 0)."""
+    if isinstance(logits, ShardedLogits):
+        return logits.entropy()
     logp = logits.float().log_softmax(-1)
     return -(logp.exp() * logp.clamp(min=torch.finfo(logp.dtype).min)).sum(-1)
 
@@ -344,6 +353,8 @@ class CausalFirst(Sampler):
     commits only the block's first position, drawn from that row; from step 1 on the rule runs one step late,
     so its schedule spreads the remaining masks over the block's `steps` as NVIDIA's does (steps left
     `steps - step + 1`)."""
+
+    reads_shards: ClassVar[bool] = True
 
     causal_first: bool = param(False, "commit each block's first token from the causal next-token prediction at "
                                       "its first step (Nemotron-Labs-Diffusion's causal_context)")

@@ -30,6 +30,8 @@ class LowConfidenceDynamic(Sampler):
     evenly over the steps, the larger shares first; a step past the schedule commits what is left. At T > 0 the
     probabilities are the tempered ones the tokens were drawn from, as in SDAR."""
 
+    reads_shards: ClassVar[bool] = True
+
     threshold: float = param(0.85, "commit positions above this probability (SDAR: 0.85, LLaDA2.0: 0.95)", ge=0.0)
 
     def step(self, ctx: StepContext) -> Commit:
@@ -65,6 +67,7 @@ class EntropyBounded(Sampler):
     whose entropies sum below the bound (at least one): the entropy bound of `eb_sampler` as SDAR's engine reads
     it (`base.entropy_bounded`)."""
 
+    reads_shards: ClassVar[bool] = True
     orders_by_token_probability: ClassVar[bool] = False  # by entropy
 
     bound: float = param(0.35, "commit the lowest-entropy positions while their entropies sum below this (nats)",
@@ -86,6 +89,8 @@ class SubBlock(Sampler):
     as in v2); then the block is decoded in sub-blocks, left to right: inside the leftmost sub-block with masks,
     every position above the threshold and always the most confident one. At T > 0 confidences are the
     tempered probabilities the tokens were drawn from."""
+
+    reads_shards: ClassVar[bool] = True
 
     threshold: float = param(0.9, "commit positions whose probability exceeds this (Fast-dLLM v2: 0.9)", ge=0.0)
     sub_block: int = param(8, "sub-block length, filled left to right (Fast-dLLM v2: 8)", ge=1)
@@ -113,6 +118,8 @@ class JointThreshold(Sampler):
     `edit_steps` more steps edit; a row's block ends at a step that changes nothing. The prompt and finished
     blocks are never edited, so the block caches stay exact. Defaults: ZHZisZZ/dllm's (0.95 / 0.9 / 16);
     SGLang's are 0.5 / 0 / 16."""
+
+    reads_shards: ClassVar[bool] = True
 
     edits = True
     threshold: float = param(0.95, "commit masked positions above this probability (mask -> token)", ge=0.0)

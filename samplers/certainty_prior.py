@@ -30,6 +30,7 @@ class CertaintyPrior(Sampler):
     The scheduled count per step (steps = gen_length: one), or with `threshold` every position whose score
     reaches it (and the best)."""
 
+    reads_shards: ClassVar[bool] = True
     block_local: ClassVar[bool] = False  # the density spans the whole answer
 
     sigma: float = param(10.0, "std of the Gaussian density over decoded positions (d2Cache: 10; smaller: closer to "

@@ -26,6 +26,7 @@ class EBSampler(Sampler):
     entropies ranked before a position, per row here). Entropies are in float32 from the model's logits (at T > 0
     the ports differ: DUS's from the noisy logits, d2Cache's from the tempered ones)."""
 
+    reads_shards: ClassVar[bool] = True
     orders_by_token_probability: ClassVar[bool] = False  # the count comes from entropies
     canvas_may_grow: ClassVar[bool] = True
 

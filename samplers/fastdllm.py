@@ -65,6 +65,8 @@ class Factor(Sampler):
     the exact count and what `compat` changes."""
 
     canvas_may_grow: ClassVar[bool] = True
+    reads_shards: ClassVar[bool] = True
+
     factor: float = param(1.0, "f in c_(n) >= 1 - f/(n+1); larger commits more per step", gt=0.0)
     compat: bool = param(False, "reproduce the reference edge case (a failing last rank still commits all)")
 

@@ -34,6 +34,7 @@ class RandomRemasking(Sampler):
     The random order is drawn once per block (as dKV-Cache-Greedy's reference does; the same law as fresh
     draws every step), so the next step's commits are known before its forward."""
 
+    reads_shards: ClassVar[bool] = True
     commits_known_ahead: ClassVar[bool] = True
 
     def step(self, ctx: StepContext) -> Commit:

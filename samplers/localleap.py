@@ -20,6 +20,7 @@ class LocalLeap(Sampler):
     relaxed threshold; everything else follows the strict threshold."""
 
     canvas_may_grow: ClassVar[bool] = True
+    reads_shards: ClassVar[bool] = True
 
     threshold: float = param(0.9, "anchor and strict commit threshold (kappa)", ge=0.0)
     relaxed_threshold: float = param(0.75, "threshold within radius of an anchor (tau <= kappa)", ge=0.0)

@@ -53,6 +53,10 @@ class Prophet(Sampler):
     def reads_decoded_logits(self) -> bool:  # the gap averages the whole region, decoded or not
         return self.answer_start is not None
 
+    @property
+    def reads_shards(self) -> bool:  # its own reads are the top two and its base's draw
+        return self._base.reads_shards
+
     def check_gen_length(self, gen_length: int) -> None:
         if self.answer_start is not None and self.answer_start >= gen_length:
             raise DllmError(f"sampler 'prophet' parameter answer_start={self.answer_start} is past the answer "

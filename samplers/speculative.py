@@ -41,6 +41,7 @@ class Speculative(Sampler):
     fewer forwards (except that the verification forward of the step whose commit ends a row is spent for nothing:
     with K = 1 that can be one forward more)."""
 
+    reads_shards: ClassVar[bool] = True
     drafts: ClassVar[bool] = True
     draft_steps: int | None = param(None, "K: nested drafts verified per forward (None: 4 for LLaDA, 8 for Dream, "
                                     "FreeDave's)", ge=1)

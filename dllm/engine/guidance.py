@@ -12,6 +12,7 @@ from torch import Tensor
 
 from ..core.errors import DllmError
 from ..models import ModelConfig
+from ..models.sharded_logits import set_column
 
 
 @dataclass(frozen=True)
@@ -47,10 +48,10 @@ class Guidance:
         cond, uncond = logits.unbind(1)
         return uncond + (self.cfg_scale + 1) * (cond - uncond)
 
-    def ban(self, logits: Tensor, cfg: ModelConfig) -> None:
-        """`logits_eos_inf`, in place."""
+    def ban(self, logits: Tensor, cfg: ModelConfig, tp=None) -> None:
+        """`logits_eos_inf`, in place (on a tensor-parallel model's rank `tp`, its vocabulary columns)."""
         if self.logits_eos_inf:
-            logits[..., cfg.filler_id] = float("-inf")
+            set_column(logits, cfg.filler_id, float("-inf"), tp)
 
     def unscored(self, cfg: ModelConfig, temperature: float | Tensor, device: torch.device) -> Tensor | None:
         """The token ids `token_probability` leaves out under `confidence_eos_eot_inf` (None: off); for rows with

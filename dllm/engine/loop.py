@@ -14,11 +14,13 @@ from .. import cache as caches
 from .. import samplers as samplers_mod
 from ..core.errors import DllmError
 from ..models import DiffusionLM, Rows
+from ..models.sharded_logits import full_logits
 from ..samplers.base import token_probability
 from .canvas import Canvas
 from .checks import (check_auto_length, check_block_layout, check_guidance, check_lengths, check_policies,
                      check_prefix_cache)
 from .guidance import Guidance
+from .lockstep import lead_block, ranks_differ, share_batch
 from .logprobs import Captured, TokenLogprob, check_logprobs, token_logprobs
 from .runner import Runner, clock
 from .stats import Stats, trace_step
@@ -66,7 +68,10 @@ class Batch:
     `samplers.Daedal`; gen_length auto): each row's answer chooses its length, growing before the first block and
     inside blocks (`_choose_lengths`, `_expand`, the canvas operation `_insert`); rows are added with it as their
     gen_length, and none joins a running batch.
-    The host waits for the device once per step (has the block any mask left?) and once per block."""
+    The host waits for the device once per step (has the block any mask left?) and once per block.
+
+    On a tensor-parallel model (`model.tp`) every rank runs the batch: rank 0's tells the others' every change
+    (`lockstep`), and every step checks that their canvases agree."""
 
     def __init__(self, model: DiffusionLM, sampler: Sampler, cache: Cache, block_length: int, steps_per_block: int,
                  stop_early: bool = True, trace: bool = False, profile: bool = False,
@@ -76,6 +81,9 @@ class Batch:
         check_policies(model, sampler, cache, compile)
         if length is not None:
             check_auto_length(model, sampler, cache, compile, guidance)
+            if model.tp is not None:
+                raise DllmError("gen_length auto grows the canvas on one process only; give a fixed gen_length on a "
+                                "tensor-parallel model")
         check_guidance(model, sampler, cache, guidance)
         check_block_layout(model, block_length)
         check_prefix_cache(model, cache, prefix_cache, guidance)
@@ -92,6 +100,10 @@ class Batch:
         self.captured: Captured | None = None  # the rows' log-probabilities, when a row asked for them
         self._saved = True  # the rows hold what the canvas holds
         self.block = 0  # blocks run
+        self.ranks = None if model.tp is None else model.tp.ranks  # tensor parallel: every rank runs this batch
+        if self.ranks is not None and self.ranks.leader:
+            share_batch(self, Batch, model, sampler, cache, block_length, steps_per_block, stop_early, trace, profile,
+                        None, compile, prefix_cache, guidance, length)
 
     def add(self, prompt: list[int], gen_length: int | samplers_mod.Daedal, seed: int = 0,
             sampler: Sampler | None = None, logprobs: int | None = None) -> Row:
@@ -100,6 +112,7 @@ class Batch:
         `sampler`'s settings (default: the batch's): the batch's sampler class with other values of its per-row
         parameters (`Sampler.row_params`: temperature, thresholds, ...), stacked into `[B]` tensors per layout;
         `logprobs=k` captures each token's log-probability with k alternatives (`Batch.logprobs`)."""
+        asked = (prompt, gen_length, seed, sampler, logprobs)  # the other ranks' call (tensor parallel)
         sampler = self.sampler if sampler is None else sampler
         if sampler is not self.sampler and sampler.batch_key() != self.sampler.batch_key():
             raise DllmError(f"a row's sampler {sampler.name!r} {sampler.batch_key()[1:]} differs from the batch's "
@@ -133,6 +146,7 @@ class Batch:
         self._save()
         self.rows.append(row)
         self.canvas = None
+        self._tell(Batch.add, *asked)
         return row
 
     def remove(self, row: Row) -> None:
@@ -141,11 +155,13 @@ class Batch:
             raise DllmError(f"sampler {self.sampler.name!r} with cache {self.cache.name!r} cannot drop rows from a "
                             f"running batch; let it finish")
         self._save()
+        self._tell(_remove_row, self.rows.index(row))
         self.rows.remove(row)
         self.canvas = None
 
     def cancel(self, row: Row) -> None:
         """Stop decoding `row` from the next step on (take it out between blocks with `remove`)."""
+        self._tell(_cancel_row, self.rows.index(row))
         if self.canvas is None:
             row.finished = True
         else:
@@ -245,13 +261,25 @@ class Batch:
 
     def finish(self) -> Stats:
         """The statistics of everything decoded (call after the last block)."""
+        self._tell(Batch.finish)
         self._count_store()
         return self.stats
+
+    def _tell(self, method: Callable, *args) -> None:
+        """Rank 0 of a tensor-parallel model: the other ranks make this call on their copy of the batch."""
+        if self.ranks is not None and self.ranks.leader:
+            self.ranks.post(method, self, *args)
 
     @torch.no_grad()
     def run_block(self) -> None:
         """Decode the next block of every row: a step per forward until no row has a position left in the block that
         is not yet committed (a mask, or a uniform-state model's random token)."""
+        if self.ranks is not None and self.ranks.leader:
+            lead_block(self, self._run_block)
+        else:
+            self._run_block()
+
+    def _run_block(self) -> None:
         if not self.rows:
             raise DllmError("the batch has no rows; add a prompt first")
         if self.canvas is None:
@@ -411,6 +439,8 @@ class Batch:
             decoded = ~self.masked_at_plan[:, lo:hi] & self.unfinished[:, None]
             editable = decoded & in_block & (positions >= canvas.gen_start[:, None])
         logits, extra_logits = logits[:, :hi - lo], logits[:, hi - lo:] if logits.shape[1] > hi - lo else None
+        logits = self.runner.readable(logits, sampler.reads_shards)
+        extra_logits = None if extra_logits is None else self.runner.readable(extra_logits, sampler.reads_shards)
         return samplers_mod.StepContext(
             logits=logits, eligible=masked & in_block, masked=masked, positions=positions, canvas=canvas.tokens,
             step=step, steps=self.steps_per_block, block=self.block,
@@ -437,7 +467,8 @@ class Batch:
         if (next_lo, next_hi) != (lo, hi):
             raise DllmError(f"sampler {self.sampler.name!r} verifies drafts with the logits of the next step, so its "
                             f"logit_window must not change inside a block")
-        return self.runner.verify(drafts, lo, hi, next_rows, block=(start, end), tree=tree)
+        logits = self.runner.verify(drafts, lo, hi, next_rows, block=(start, end), tree=tree)
+        return self.runner.readable(logits, self.sampler.reads_shards)
 
     def _move_block_end(self, ctx: samplers_mod.StepContext) -> int:
         """The block end the sampler chooses at the block's first step (AdaBlock); `ctx` follows it."""
@@ -472,7 +503,7 @@ class Batch:
             added = added - (written & ~commit & (out.tokens == canvas.mask_id)).sum()  # re-masked: uncommitted
         if self.captured is not None:  # the committed (and edited) tokens, not a renoised canvas's drafts (a re-masked
             # position's is rewritten when it is committed again)
-            drawn_from = ctx.logits if out.logits is None else out.logits
+            drawn_from = full_logits(ctx.logits if out.logits is None else out.logits)
             self.captured.write(written, lo, hi, self.stacked.log_distribution(drawn_from), out.tokens)
         new = out.tokens
         if out.draft is not None:  # positions that stay uncommitted take the draft (a uniform-state canvas renoised)
@@ -503,8 +534,8 @@ class Batch:
             rows_per_layer = [now - before for now, before in zip(self.runner.kv.rows_per_layer, counted)]
             edited = None if ctx.editable is None or out.edit is None else out.edit & ctx.editable
             given_up = None if out.given_up is None else out.given_up & ctx.eligible & ~commit
-            self.trace.append(trace_step(self.block, ctx.step, rows_per_layer, ctx.positions, commit, out, ctx.logits,
-                                         edited, given_up))
+            self.trace.append(trace_step(self.block, ctx.step, rows_per_layer, ctx.positions, commit, out,
+                                         full_logits(ctx.logits), edited, given_up))
         if self.stop_early:
             self._set_finished(self.canvas.finish_rows(self.finished, self.model.config))
         if self.callback is not None:
@@ -514,9 +545,14 @@ class Batch:
                            checks: list[Tensor]) -> list[bool]:
         """The rows still open in the block, read with the step's checks in one wait for the device; a sampler
         that stalled or committed other tokens than its verified draft is an error."""
+        if self.ranks is not None:  # every rank holds the same canvas
+            checks = [*checks, ranks_differ(self.ranks, self.canvas.tokens)]
         flags = torch.cat([self._open_rows(ctx.block_start, ctx.block_end, out.again), torch.stack(checks)]).tolist()
         batch = len(self.rows)
         open_now, (stalled, *diverged) = flags[:batch], flags[batch:]
+        if self.ranks is not None and diverged.pop():
+            raise DllmError(f"the tensor-parallel ranks hold different tokens after block {self.block} step "
+                            f"{ctx.step}; their decisions diverged (a nondeterministic kernel?)")
         if stalled:
             raise DllmError(f"sampler {self.sampler.name!r} committed nothing for an unfinished row at block "
                             f"{self.block} step {ctx.step}; a sampler must commit at least one position per row")
@@ -567,3 +603,11 @@ def decoded(model: DiffusionLM, prompts: list[list[int]], sampler: Sampler, cach
     while batch.running:
         batch.run_block()
     return batch
+
+
+def _remove_row(batch: Batch, index: int) -> None:
+    batch.remove(batch.rows[index])
+
+
+def _cancel_row(batch: Batch, index: int) -> None:
+    batch.cancel(batch.rows[index])

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from .. import cache as caches
 from ..models import DiffusionLM, Rows
+from ..models.sharded_logits import ShardedLogits, set_column
 from ..samplers import ExtraRows
 from .canvas import Canvas
 from .guidance import Guidance, unconditional
@@ -107,8 +108,8 @@ class Runner:
         if self.guidance.guided:
             logits = self.guidance.combine(logits.unflatten(0, (batch, 2, copies))).flatten(0, 1)
         if cfg.mask_id is not None:
-            logits[..., cfg.mask_id] = float("-inf")  # a committed position must never stay masked
-        self.guidance.ban(logits, cfg)
+            set_column(logits, cfg.mask_id, float("-inf"), model.tp)  # a committed position must never stay masked
+        self.guidance.ban(logits, cfg, model.tp)
         computed = rows.index.shape[-1] if not rows.is_slice else len(range(length)[rows.index])
         counter = self.kv  # drafts' forwards on a fork count into the generation's store
         before = list(counter.rows_per_layer)
@@ -183,8 +184,16 @@ class Runner:
         self.kv.put_rows(part.kv, stored)
         out = logits.new_zeros((len(open_rows), *logits.shape[1:]))
         if self.model.config.mask_id is not None:
-            out[..., self.model.config.mask_id] = float("-inf")
+            set_column(out, self.model.config.mask_id, float("-inf"), self.model.tp)
         return out.index_copy_(0, index, logits)
+
+    def readable(self, logits: Tensor, shards: bool) -> Tensor | ShardedLogits:
+        """Logits as a sampler reads them: on a tensor-parallel model this rank's vocabulary columns for a sampler
+        that reads `shards` (`Sampler.reads_shards`), else the whole vocabulary gathered on every rank."""
+        if self.model.tp is None:
+            return logits
+        sharded = ShardedLogits(logits, self.model.tp)
+        return sharded if shards else sharded.full()
 
     def verify(self, drafts: Tensor, lo: int, hi: int, rows: Rows, block: tuple[int, int] | None = None,
                tree: bool = False) -> Tensor:
