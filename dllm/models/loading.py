@@ -249,7 +249,7 @@ def copy_pieces(prefix: str, full: nn.Module, part: nn.Module, cfg: ModelConfig,
 
 def parallel_copy(build, tensor_parallel: int):
     """A tensor-parallel model on the CPU whose every rank builds the whole model by `build()` (a picklable callable,
-    e.g. `functools.partial(random_model, "llada-tiny")`) and keeps its shard: for tests and small models, each rank
+    e.g. a module-level function building a random model) and keeps its shard: for tests and small models, each rank
     holding a whole copy while it builds. Returns rank 0's shard."""
     size = check_int("tensor_parallel", tensor_parallel, 2)
     group = ranks(size, torch.device("cpu"))
@@ -267,13 +267,6 @@ def _copy_shard(build, size: int) -> DiffusionLM:
     parts = dict(model_parts(whole))
     materialize(model, "cpu", lambda prefix, part: copy_pieces(prefix, parts[prefix], part, whole.config, model.tp))
     model.generation_defaults = whole.generation_defaults
-    return model.eval()
-
-
-def random_model(preset: str, seed: int = 0, std: float = 0.02, dtype: torch.dtype = torch.float32) -> DiffusionLM:
-    """`random:<preset>`'s network on the CPU with N(0, std) weights (tests take a larger std: sharper logits)."""
-    model = build_model(PRESETS[preset], "cpu", dtype)
-    init_random(model, seed, std)
     return model.eval()
 
 

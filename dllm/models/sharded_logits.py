@@ -117,7 +117,7 @@ class ShardedLogits:
         ranks = self.shard.all_gather(torch.cat((values, ids.double()), -1), "sampler")  # [size, ..., 2k]
         values = torch.cat(ranks[..., :k].unbind(0), -1)
         ids = torch.cat(ranks[..., k:].unbind(0), -1)
-        order = ids.argsort(-1, stable=True)  # equal values: the smaller id first
+        order = ids.argsort(dim=-1, stable=True)  # equal values: the smaller id first
         values, ids = values.gather(-1, order), ids.gather(-1, order)
         top = values.topk(k, -1, sorted=True)
         return TopK(top.values.to(self.dtype), ids.gather(-1, top.indices).long())
