@@ -269,6 +269,15 @@ def test_ranks_that_commit_differently_fail_at_that_step():
         batch.run_block()
 
 
+def test_the_ranks_listen_on_loopback_only(group):
+    """gloo's sockets between the ranks this process started: nothing reachable from the network."""
+    import psutil
+
+    pids = {os.getpid(), *(p.pid for p in group.followers)}
+    listening = [c.laddr.ip for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.pid in pids]
+    assert len(listening) >= 2 * SIZE and set(listening) <= {"127.0.0.1", "::1", "::ffff:127.0.0.1"}, listening
+
+
 # -- a killed rank ----------------------------------------------------------------------------------------------------
 KILLED = """
 import os, signal, sys, time, torch, dllm

@@ -23,6 +23,7 @@ import itertools
 import json
 import os
 import pickle
+import socket
 import subprocess
 import sys
 import tempfile
@@ -293,7 +294,13 @@ def ranks(size: int, device: torch.device) -> Ranks:
 
 def _start(size: int, device: torch.device, timeout: datetime.timedelta) -> Ranks:
     """Start ranks 1..size-1 as children (each `follower_main`), meet them at a file store in a private directory,
-    and make the group; a child that exits first is a one-line error."""
+    and make the group; a child that exits first is a one-line error. The ranks share this machine, so gloo and
+    NCCL's bootstrap listen on the loopback interface only (unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME say
+    otherwise): nothing of the group is reachable from the network."""
+    loopback = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
+    if loopback is not None:
+        for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            os.environ.setdefault(variable, loopback)
     directory = tempfile.mkdtemp(prefix="dllm-tp-")
     spec = {"size": size, "device": str(device), "directory": directory, "timeout": timeout.total_seconds(),
             "threads": torch.get_num_threads(), "parent": os.getpid()}
