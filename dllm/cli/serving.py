@@ -25,6 +25,9 @@ def serve_defaults(args) -> dict[str, Any]:
         raise DllmError(f"--max-batch must be at least 1, got {args.max_batch}")
     fixed_length_only(args, "batches requests between blocks at fixed answer lengths")
     check_parallel_flags(args)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise DllmError(f"dllm {args.command} starts its engine's tensor-parallel ranks itself (--tensor-parallel N); "
+                        f"run it as one process, not under torchrun")
     return {**flag_policies(args), "gen_length": args.gen_length, "block_length": args.block_length,
             "steps": args.steps, "seed": args.seed}  # the sampler, cache and LLaDA options (checked) and the lengths
 
