@@ -7,7 +7,15 @@ import sys
 from typing import Any
 
 from ..core.errors import DllmError
-from .flags import check_parallel_flags, check_writable_file, fixed_length_only, flag_policies, json_or_text, key_values, load_model
+from .flags import (
+    check_parallel_flags,
+    check_writable_file,
+    fixed_length_only,
+    flag_policies,
+    json_or_text,
+    key_values,
+    load_model,
+)
 
 
 def serve_defaults(args) -> dict[str, Any]:
