@@ -23,7 +23,8 @@ or `model=`; sampler and cache parameters go in `--model_args` by name, and so d
 - loglikelihood_rolling: the ELBO of each `max_length` window of the text with no context (a bound, per window).
 - Under `accelerate launch` each process takes its share of the requests (lm-eval splits them by `rank`).
 - A `device=cuda` (lm-eval's default) without a GPU falls back to the CPU with a one-line notice.
-- `threads=N` sets the CPU thread count (`dllm.load`).
+- `threads=N` sets the CPU thread count (`dllm.load`); per rank with `tensor_parallel=N`, which splits the model
+  over N processes started for lm-eval's (generation only: likelihoods are refused on a tensor-parallel model).
 - Offline: the synthetic suite as lm-eval tasks ships in `lm_eval_tasks/` beside this file (`TASKS`):
   `--include_path TASKS --tasks dllm_synthetic,dllm_synthetic_mc --apply_chat_template`. A task whose dataset
   cannot be loaded (the Hub unreachable) stops with one `error:` line instead of lm-eval's traceback.
@@ -82,7 +83,7 @@ class DllmLM(LM):
                  cfg_scale: float | None = None, cfg: float | None = None, logits_eos_inf: bool = False,
                  confidence_eos_eot_inf: bool = False, greedy_check: bool = True, threads: int | str | None = None,
                  likelihood_convention: str | None = None, pretrained: str | None = None, quantize: str | None = None,
-                 quantize_head: bool = False,
+                 quantize_head: bool = False, tensor_parallel: int | str = 1,
                  **params) -> None:  # lm-eval passes max_batch_size
         super().__init__()
         from accelerate import PartialState
@@ -116,13 +117,18 @@ class DllmLM(LM):
         if cache is not None:
             caches.CACHES.get(cache)
         device = _device(device)
+        tensor_parallel = _number("tensor_parallel", tensor_parallel, int)
+        if tensor_parallel > 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise DllmError("tensor_parallel=N starts the model's ranks itself, and accelerate launch runs the "
+                            "adapter data-parallel; run lm-eval as one plain process")
         state = PartialState(cpu=device == "cpu")
         self._rank, self._world_size = state.process_index, state.num_processes
         if device == "cuda" and self._world_size > 1:
             device = f"cuda:{state.local_process_index}"
         self.model, self.tokenizer = dllm.load(pretrained or model or "tiny-llada", device=device, dtype=dtype,
                                                threads=None if threads is None else _number("threads", threads, int),
-                                               quantize=quantize, quantize_head=_flag("quantize_head", quantize_head))
+                                               quantize=quantize, quantize_head=_flag("quantize_head", quantize_head),
+                                               tensor_parallel=tensor_parallel)
         self._device = self.model.device
         if self._world_size > 1:
             from accelerate import Accelerator

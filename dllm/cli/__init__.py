@@ -10,7 +10,7 @@ import warnings
 from ..core.errors import DllmError, one_line_notice
 from .decode import bench_command, chat_command, generate_command, list_command, quantize_command
 from .evaluate import eval_command
-from .flags import DEFAULT_MODEL, add_decoding_flags, add_load_flags, add_prefix_cache_flag
+from .flags import DEFAULT_MODEL, add_decoding_flags, add_load_flags, add_parallel_flag, add_prefix_cache_flag
 from .serving import bench_serve_command, serve_command
 
 
@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="decode prompts (arguments or stdin, one per line)")
     g.add_argument("prompts", nargs="*", metavar="PROMPT")
     add_decoding_flags(g)
+    add_parallel_flag(g)
     g.add_argument("--json", action="store_true", help="print outputs and statistics as JSON")
     g.add_argument("--trace", metavar="FILE", help="write a JSON line per step (commits, confidences, gaps)")
     g.add_argument("--explain", action="store_true",
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(run=generate_command)
     c = sub.add_parser("chat", help="chat on stdin/stdout, a line per turn")
     add_decoding_flags(c)
+    add_parallel_flag(c)
     c.add_argument("--history", action=argparse.BooleanOptionalAction, default=None,
                    help="decode each turn with the conversation so far (default: unless the model's "
                         "generation_config.json says multi_turn: false, as the shipped tiny models do)")
@@ -44,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--recipe", default=None, help="a published table's settings (`dllm list recipes`); the flags "
                    "given win over it, --model names the checkpoint's directory")
     add_decoding_flags(e)
+    add_parallel_flag(e)
     e.add_argument("--limit", type=int, default=None, help="first N examples only")
     e.add_argument("--batch-size", type=int, default=16)
     e.add_argument("--output", default=None, help="directory for results.jsonl and summary.json (resumable)")
@@ -70,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server, requests batched between blocks "
                                      "(pip install '.[serve]')")
     add_decoding_flags(s)
+    add_parallel_flag(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--max-batch", type=int, default=8, help="rows decoded together at most")

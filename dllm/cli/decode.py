@@ -49,7 +49,10 @@ def generate_command(args) -> int:
     model, tok = load_model(args)
     settings = settings_from(args, model, policies)
     if args.explain:
-        print(json.dumps(settings.explain()) if args.json else format_explain(settings.explain()))
+        explained = settings.explain()
+        explained["settings"]["tensor_parallel"] = {"value": args.tensor_parallel, "from": "caller" if
+                                                    args.tensor_parallel > 1 else "dllm default"}
+        print(json.dumps(explained) if args.json else format_explain(explained))
         return 0
     gen = settings.lengths["gen_length"]
     with progress(args, len(prompts) * getattr(gen, "initial_gen_length", gen), "generate") as bar:
@@ -66,9 +69,11 @@ def generate_command(args) -> int:
     else:
         for text in out.texts:
             print(text)
+        threads = model.threads["threads"]
+        ranks = f" per rank, {args.tensor_parallel} ranks" if args.tensor_parallel > 1 else ""
         print(f"[{stats['nfe']} forwards, {stats['tpf']:.2f} tokens/forward, {stats['gen_tokens']} tokens, "
-              f"{stats['seconds']:.2f} s, {stats['tokens_per_second']:.1f} tokens/s, {model.threads['threads']} "
-              f"thread{'s' if model.threads['threads'] > 1 else ''}]", file=sys.stderr)
+              f"{stats['seconds']:.2f} s, {stats['tokens_per_second']:.1f} tokens/s, {threads} "
+              f"thread{'s' if threads > 1 else ''}{ranks}]", file=sys.stderr)
     return 0
 
 

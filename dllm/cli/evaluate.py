@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 
@@ -35,6 +36,9 @@ def _run_eval(args) -> int:
     from dllm.eval.tasks import get_task
 
     get_task(args.task)
+    if args.tensor_parallel > 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise DllmError("dllm eval --tensor-parallel starts its ranks itself, and accelerate launch or torchrun "
+                        "runs it data-parallel; run it as one plain process")
     state = PartialState(cpu=args.device == "cpu")  # data-parallel over CPU processes too (gloo)
     data_args = dict(limit=args.limit, batch_size=args.batch_size, data=args.data, num_fewshot=args.num_fewshot,
                      unsafe_exec=args.unsafe_exec)

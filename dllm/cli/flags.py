@@ -92,12 +92,36 @@ def add_load_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize-head", action="store_true", help="quantize the LM head too")
 
 
+def add_parallel_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split the model over N processes, one rank each (heads, feed-forward columns, experts, "
+                        "vocabulary), started for you, or the processes of torchrun --nproc-per-node N; gloo on a "
+                        "CPU, NCCL on CUDA with rank r on GPU r; --threads T: T threads per rank")
+
+
+def check_parallel_flags(args) -> None:
+    """Refuse, before anything loads, what --tensor-parallel N > 1 cannot run with."""
+    size = getattr(args, "tensor_parallel", 1)
+    if size < 1:
+        raise DllmError(f"--tensor-parallel must be at least 1, got {size}")
+    if size == 1:
+        return
+    if args.quantize is not None:
+        raise DllmError("--tensor-parallel splits plain weights, and --quantize makes quantized ones; drop one")
+    if getattr(args, "gen_length", None) == "auto" or getattr(args, "length_arg", None) or \
+            getattr(args, "max_gen_length", None) is not None:
+        raise DllmError("--gen-length auto grows each answer's canvas on one process only; give --gen-length N "
+                        "with --tensor-parallel")
+
+
 def load_model(args, device: str | None = None):
     """`dllm.load` with the model flags (`device`: this process's GPU, else --device)."""
     import dllm
 
+    check_parallel_flags(args)
     return dllm.load(args.model, device=device or args.device, dtype=args.dtype, threads=args.threads,
-                     quantize=args.quantize, quantize_head=args.quantize_head)
+                     quantize=args.quantize, quantize_head=args.quantize_head,
+                     tensor_parallel=getattr(args, "tensor_parallel", 1))
 
 
 def add_prefix_cache_flag(p: argparse.ArgumentParser) -> None:

@@ -7,7 +7,15 @@ import sys
 from typing import Any
 
 from ..core.errors import DllmError
-from .flags import check_writable_file, fixed_length_only, flag_policies, json_or_text, key_values, load_model
+from .flags import (
+    check_parallel_flags,
+    check_writable_file,
+    fixed_length_only,
+    flag_policies,
+    json_or_text,
+    key_values,
+    load_model,
+)
 
 
 def serve_defaults(args) -> dict[str, Any]:
@@ -24,6 +32,10 @@ def serve_defaults(args) -> dict[str, Any]:
     if args.max_batch < 1:
         raise DllmError(f"--max-batch must be at least 1, got {args.max_batch}")
     fixed_length_only(args, "batches requests between blocks at fixed answer lengths")
+    check_parallel_flags(args)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise DllmError(f"dllm {args.command} starts its engine's tensor-parallel ranks itself (--tensor-parallel N); "
+                        f"run it as one process, not under torchrun")
     return {**flag_policies(args), "gen_length": args.gen_length, "block_length": args.block_length,
             "steps": args.steps, "seed": args.seed}  # the sampler, cache and LLaDA options (checked) and the lengths
 
@@ -44,7 +56,8 @@ def engine_spec(args):
 
     return EngineSpec(model=args.model, device=args.device, dtype=args.dtype, threads=args.threads,
                       quantize=args.quantize, quantize_head=args.quantize_head, max_batch=args.max_batch,
-                      compile=args.compile, prefix_cache_mb=args.prefix_cache_mb)
+                      compile=args.compile, prefix_cache_mb=args.prefix_cache_mb,
+                      tensor_parallel=getattr(args, "tensor_parallel", 1))
 
 
 def _check_port(host: str, port: int) -> None:
@@ -67,6 +80,10 @@ def serve_command(args) -> int:
 
     if args.replicas is not None:
         from ..serve.ray import serve_replicas
+
+        if args.tensor_parallel > 1:
+            raise DllmError("--replicas runs one engine per Ray worker, and a tensor-parallel engine starts its ranks "
+                            "as its own children; drop --replicas or --tensor-parallel")
 
         if args.ray_address is None:
             _check_port(args.host, args.port)

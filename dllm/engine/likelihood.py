@@ -36,6 +36,9 @@ from .loop import decode
 
 def _check(model: DiffusionLM, prefix: list[int], target: list[int]) -> None:
     check_masked(model)
+    if model.tp is not None:
+        raise DllmError("likelihoods run on one process (a tensor-parallel model's other ranks follow decoding "
+                        "only); load the model without tensor_parallel to score them")
     vocab = model.config.vocab_size
     for name, ids in (("context", prefix), ("continuation", target)):
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab

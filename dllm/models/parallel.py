@@ -23,6 +23,7 @@ import itertools
 import json
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -195,6 +196,8 @@ class Ranks:
             except RankFailed:
                 pass
         for p in self.followers:
+            if self.failure is not None:  # out of step with rank 0 (e.g. waiting in a collective): it cannot exit
+                p.kill()
             try:
                 p.wait(10)
             except subprocess.TimeoutExpired:
@@ -326,6 +329,7 @@ def _start(size: int, device: torch.device, timeout: datetime.timedelta) -> Rank
 def follower_main(spec_json: str) -> int:
     """A rank other than 0, started by rank 0 (`_start`): join the group, then follow rank 0 until it exits."""
     global RANKS
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the group: rank 0 ends this rank
     spec = json.loads(spec_json)
     torch.set_num_threads(spec["threads"])
     rank, size = spec["rank"], spec["size"]

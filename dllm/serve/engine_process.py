@@ -20,6 +20,7 @@ import traceback
 from dataclasses import asdict, dataclass
 from typing import Callable
 
+from ..models.parallel import RankFailed
 from .messages import Abort, Add, Exit, Outputs, Ready, Shutdown, encode, to_engine
 from .scheduler import Engine
 
@@ -39,13 +40,15 @@ class EngineSpec:
     max_batch: int = 8
     compile: bool = False
     prefix_cache_mb: float = 0
+    tensor_parallel: int = 1  # N > 1: this process is rank 0 and starts ranks 1..N-1 as its children
 
     def load(self, weights: bool = True):
         """`dllm.load` of the model (`weights=False`: on the meta device, for the HTTP process's checks)."""
         import dllm
 
         return dllm.load(self.model, device=self.device, dtype=self.dtype, threads=self.threads,
-                         quantize=self.quantize, quantize_head=self.quantize_head, weights=weights)
+                         quantize=self.quantize, quantize_head=self.quantize_head, weights=weights,
+                         tensor_parallel=self.tensor_parallel)
 
     def engine(self) -> Engine:
         model, tokenizer = self.load()
@@ -75,6 +78,9 @@ def serve(make_engine: Callable[[], Engine], inbox: str, outbox: str, parent: in
         reason = _run(engine, pull, push, parent)
         push.send(encode(Exit(reason)))
         return 0
+    except RankFailed as error:  # a rank of a tensor-parallel model has gone: one line says which, no traceback
+        push.send(encode(Exit("error", "".join(traceback.format_exception_only(error)))))
+        return 1
     except BaseException:  # noqa: BLE001  (sent to the HTTP process, which reports it)
         push.send(encode(Exit("error", traceback.format_exc())))
         return 1
@@ -117,6 +123,8 @@ def _run(engine: Engine, pull, push, parent: int | None) -> str:
         receive(0 if engine.busy or deadline else IDLE_SECONDS)
         if parent is not None and os.getppid() != parent:
             return "orphaned"
+        if engine.model.tp is not None:
+            engine.model.tp.ranks.check()  # an idle engine notices a rank that has exited
         between_steps()
         if engine.busy:
             engine.step()

@@ -13,6 +13,7 @@ from ..core.checks import check_int
 from ..core.errors import DllmError
 from ..engine.guidance import Guidance
 from ..engine.loop import Batch, Row
+from ..models.parallel import RankFailed
 from ..samplers import SAMPLERS
 from .messages import Add, Delta, PrefixStats, Stats
 from .requests import PreparedSamplers
@@ -150,6 +151,8 @@ class Engine:
         group = self.groups[0]
         try:
             self._block(group)
+        except RankFailed:  # the model's ranks cannot go on: the engine process fails (its requests get 5xx)
+            raise
         except Exception as error:  # every request of the batch gets the message, once; the engine goes on
             for task in group.tasks.values():
                 self._fail(task, error)
