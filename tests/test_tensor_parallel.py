@@ -233,6 +233,24 @@ def test_readme_example_on_two_ranks():
     # logits
 
 
+@pytest.mark.filterwarnings("ignore:.*outside the prompts this model was trained on")  # lm-eval's prompts: no template
+def test_lm_eval_model_args_take_tensor_parallel():
+    """lm-eval's `--model_args tensor_parallel=2` (a string, as lm-eval passes it) answers as one process; its
+    likelihoods are refused in one line."""
+    from types import SimpleNamespace
+
+    from dllm.eval.lm_eval_model import DllmLM
+
+    requests = [SimpleNamespace(args=(p, {"until": ["\n"], "max_gen_toks": 32})) for p in ("reverse: abc123",
+                                                                                          "add: 0457+0068")]
+    one, two = (DllmLM(model="tiny-llada", sampler="threshold", gen_length=32, block_length=32,
+                       tensor_parallel=n) for n in ("1", "2"))
+    assert two.generate_until(requests) == one.generate_until(requests)
+    with pytest.raises(DllmError, match="tensor") as error:
+        two.loglikelihood([SimpleNamespace(args=("add: 0457+0068", "0525"))])
+    assert "\n" not in str(error.value)
+
+
 # -- refusals ------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name,args,message", [
     ("random:llada-tiny", {"tensor_parallel": 3},
