@@ -24,7 +24,7 @@ or `model=`; sampler and cache parameters go in `--model_args` by name, and so d
 - Under `accelerate launch` each process takes its share of the requests (lm-eval splits them by `rank`).
 - A `device=cuda` (lm-eval's default) without a GPU falls back to the CPU with a one-line notice.
 - `threads=N` sets the CPU thread count (`dllm.load`); per rank with `tensor_parallel=N`, which splits the model
-  over N processes started for lm-eval's (generation only: likelihoods are refused on a tensor-parallel model).
+  over N processes started for lm-eval's (likelihoods too: each forward's logits gathered from the ranks).
 - Offline: the synthetic suite as lm-eval tasks ships in `lm_eval_tasks/` beside this file (`TASKS`):
   `--include_path TASKS --tasks dllm_synthetic,dllm_synthetic_mc --apply_chat_template`. A task whose dataset
   cannot be loaded (the Hub unreachable) stops with one `error:` line instead of lm-eval's traceback.

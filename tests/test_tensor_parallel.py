@@ -235,20 +235,31 @@ def test_readme_example_on_two_ranks():
 
 @pytest.mark.filterwarnings("ignore:.*outside the prompts this model was trained on")  # lm-eval's prompts: no template
 def test_lm_eval_model_args_take_tensor_parallel():
-    """lm-eval's `--model_args tensor_parallel=2` (a string, as lm-eval passes it) answers as one process; its
-    likelihoods are refused in one line."""
+    """lm-eval's `--model_args tensor_parallel=2` (a string, as lm-eval passes it) answers and scores as one
+    process: the ELBO (every rank runs its forwards, the logits gathered) and the greedy check (a decode)."""
     from types import SimpleNamespace
 
     from dllm.eval.lm_eval_model import DllmLM
 
     requests = [SimpleNamespace(args=(p, {"until": ["\n"], "max_gen_toks": 32})) for p in ("reverse: abc123",
                                                                                           "add: 0457+0068")]
-    one, two = (DllmLM(model="tiny-llada", sampler="threshold", gen_length=32, block_length=32,
+    one, two = (DllmLM(model="tiny-llada", sampler="threshold", gen_length=32, block_length=32, mc_num=32,
                        tensor_parallel=n) for n in ("1", "2"))
     assert two.generate_until(requests) == one.generate_until(requests)
-    with pytest.raises(DllmError, match="tensor") as error:
-        two.loglikelihood([SimpleNamespace(args=("add: 0457+0068", "0525"))])
-    assert "\n" not in str(error.value)
+    scored = [SimpleNamespace(args=("add: 0457+0068\n", "#### 0525")), SimpleNamespace(args=("copy: ab", "#### ba"))]
+    a, b = (lm.loglikelihood(scored, disable_tqdm=True) for lm in (one, two))
+    assert [greedy for _, greedy in b] == [greedy for _, greedy in a]
+    assert [score for score, _ in b] == pytest.approx([score for score, _ in a], rel=1e-5)
+
+
+@pytest.mark.parametrize("name,args", [("tiny-dream", {}), ("tiny-sdar", {}), ("tiny-llada", {"cfg_scale": 0.5})])
+def test_likelihoods_equal_one_process(name, args):
+    """Dream's estimator, a block-causal model's block by block, LLaDA's under classifier-free guidance."""
+    from dllm.engine.likelihood import elbo
+
+    scores = [elbo(dllm.load(name, tensor_parallel=n)[0], [7, 45, 32, 49, 32], [35, 32, 39], mc_num=16,
+                   batch_size=8, **args) for n in (1, 2)]
+    assert scores[1] == pytest.approx(scores[0], rel=1e-5)
 
 
 # -- refusals ------------------------------------------------------------------------------------------------------

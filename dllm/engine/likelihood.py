@@ -29,6 +29,7 @@ from .. import samplers
 from ..core.checks import check_int, check_seed
 from ..core.errors import DllmError
 from ..models import DiffusionLM
+from ..models.sharded_logits import full_logits, vocabulary_view
 from .checks import check_masked
 from .guidance import Guidance
 from .loop import decode
@@ -36,9 +37,6 @@ from .loop import decode
 
 def _check(model: DiffusionLM, prefix: list[int], target: list[int]) -> None:
     check_masked(model)
-    if model.tp is not None:
-        raise DllmError("likelihoods run on one process (a tensor-parallel model's other ranks follow decoding "
-                        "only); load the model without tensor_parallel to score them")
     vocab = model.config.vocab_size
     for name, ids in (("context", prefix), ("continuation", target)):
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
@@ -80,17 +78,26 @@ def elbo(model: DiffusionLM, prefix: list[int], target: list[int], mc_num: int =
     check_seed(seed)
     if not isinstance(cfg_scale, (int, float)) or not cfg_scale >= 0:
         raise DllmError(f"cfg_scale must be a number >= 0 (0: no guidance), got {cfg_scale!r}")
+    if convention == "dream" and model.config.decoded_keys_fixed:
+        raise DllmError(f"Dream's likelihood convention is for bidirectional models; {model.config.arch} is not "
+                        f"one: use convention='llada'")
+    if model.tp is not None:  # every rank of a tensor-parallel model runs the same forwards
+        model.tp.ranks.send(_estimate, model, prefix, target, mc_num, batch_size, cfg_scale, seed, convention)
+    return _estimate(model, prefix, target, mc_num, batch_size, cfg_scale, seed, convention)
+
+
+@torch.no_grad()
+def _estimate(model: DiffusionLM, prefix: list[int], target: list[int], mc_num: int, batch_size: int,
+              cfg_scale: float, seed: int, convention: str) -> float:
+    """`elbo`'s estimate, its arguments checked."""
     if convention == "dream":
-        if model.config.decoded_keys_fixed:
-            raise DllmError(f"Dream's likelihood convention is for bidirectional models; {model.config.arch} is not "
-                            f"one: use convention='llada'")
         return _dream_elbo(model, prefix, target, mc_num, batch_size, cfg_scale, seed)
     cfg, device = model.config, model.device
     n, length = len(prefix), len(target)
     ends = range(-(-(n + 1) // cfg.block_size) * cfg.block_size, n + length, cfg.block_size) if cfg.block_size else []
     if ends:  # block by block: each block's bound given the blocks before it
         whole, cuts = prefix + target, [n, *ends, n + length]
-        return sum(elbo(model, whole[:a], whole[a:b], mc_num, batch_size, cfg_scale, seed)
+        return sum(_estimate(model, whole[:a], whole[a:b], mc_num, batch_size, cfg_scale, seed, convention)
                    for a, b in zip(cuts, cuts[1:]))
     sequence = torch.tensor(prefix + target, device=device)
     generator = torch.Generator().manual_seed(seed)
@@ -115,12 +122,12 @@ def elbo(model: DiffusionLM, prefix: list[int], target: list[int], mc_num: int =
 def _guided_logits(model: DiffusionLM, noisy: torch.Tensor, prefix_length: int, cfg_scale: float,
                    window: tuple[int, int] | None = None) -> torch.Tensor:
     """The model's logits of `noisy` `[B, L]` (`window`: a causal-prefix model's block being decoded), guided
-    against its first `prefix_length` tokens masked."""
-    logits = model(noisy, window=window)
+    against its first `prefix_length` tokens masked (a tensor-parallel model's gathered from its ranks)."""
+    logits = full_logits(vocabulary_view(model(noisy, window=window), model))
     if cfg_scale > 0:
         unconditional = noisy.clone()
         unconditional[:, :prefix_length] = model.config.mask_id
-        plain = model(unconditional, window=window)
+        plain = full_logits(vocabulary_view(model(unconditional, window=window), model))
         logits = plain + (cfg_scale + 1) * (logits - plain)
     return logits
 
