@@ -97,7 +97,8 @@ def load_model(args, device: str | None = None):
     import dllm
 
     return dllm.load(args.model, device=device or args.device, dtype=args.dtype, threads=args.threads,
-                     quantize=args.quantize, quantize_head=args.quantize_head)
+                     quantize=args.quantize, quantize_head=args.quantize_head,
+                     tensor_parallel=getattr(args, "tensor_parallel", 1))
 
 
 def add_prefix_cache_flag(p: argparse.ArgumentParser) -> None:
