@@ -10,10 +10,12 @@ from __future__ import annotations
 import platform
 import resource
 import statistics
+from dataclasses import dataclass
 
 import torch
 
 from .guidance import Guidance
+from ..models.loading import check_parallel, meta_model
 from ..models.quantize import weight_bytes
 from .loop import decode
 
@@ -22,6 +24,23 @@ def kv_bytes_per_token(model) -> int:
     """The bytes a K/V store holds per token on this rank: keys and values of its heads (`kv_shapes`) at every
     layer, in the model's dtype."""
     return 2 * sum(heads * size for heads, size in model.kv_shapes()) * model.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Place:
+    """Rank `rank` of `size` without a process group: what `meta_model` needs to build that rank's shard on the meta
+    device (in place of `parallel.Ranks`)."""
+
+    rank: int
+    size: int
+
+
+def shard_memory(cfg, size: int, dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+    """Each rank's `weight_bytes` and `kv_bytes_per_token` with `cfg` split over `size` ranks, counted on its shard
+    built on the meta device (shapes only: no process, no memory); a split the model refuses raises its DllmError."""
+    check_parallel(cfg, size)
+    shards = (meta_model(cfg, dtype, Place(rank, size) if size > 1 else None) for rank in range(size))
+    return [{"weight_bytes": weight_bytes(m), "kv_bytes_per_token": kv_bytes_per_token(m)} for m in shards]
 
 
 def traffic_per_step(before: dict, after: dict, steps: int) -> dict:
