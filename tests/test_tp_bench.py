@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,10 +42,11 @@ def test_fewer_key_value_heads_than_ranks_are_held_whole_and_a_split_that_does_n
 
 
 @pytest.mark.distributed
-def test_bench_counts_each_steps_collectives_and_bytes_from_the_layer_plan(capsys):
+def test_bench_counts_each_steps_collectives_and_bytes_from_the_layer_plan(capsys, tmp_path):
     """tiny-llada, no cache, over 2 ranks: per step one embedding all-reduce and two per layer (o_proj, down), each of
     the whole canvas's hidden states; the same forwards and rows as one rank, half its K/V bytes per token, and rank
-    0's weights those of its meta shard. (A process of its own: this one may hold other ranks.)"""
+    0's weights those of its meta shard. (A process of its own: this one may hold other ranks.) Its JSON line is a
+    row of scripts/gpu_bench.sh's tensor-parallel table."""
     flags = ["bench", "--model", "tiny-llada", "--cache", "none", "--gen-length", "16", "--block-length", "8",
              "--prompt-length", "8", "--repeats", "1", "--batch-size", "2", "--threads", "1", "--json"]
     assert main(flags) == 0
@@ -63,3 +65,15 @@ def test_bench_counts_each_steps_collectives_and_bytes_from_the_layer_plan(capsy
     assert two["config"]["tensor_parallel"] == 2
     assert 2 * two["model"]["kv_bytes_per_token"] == one["model"]["kv_bytes_per_token"]
     assert two["model"]["weight_bytes"] == shard_memory(cfg, 2, torch.float32)[0]["weight_bytes"]
+
+    (tmp_path / "tp").mkdir()
+    (tmp_path / "tp" / "tiny.jsonl").write_text(json.dumps(two) + "\n")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_bench.sh"
+    env = {**os.environ, "MODEL": "", "SDAR_MODEL": "", "LLADA2_MODEL": "", "SERVE_MODEL": "", "TP_MODELS": "",
+           "OUT": str(tmp_path)}
+    out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, check=True).stdout
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.splitlines() if line.startswith("| ")]
+    row = dict(zip(rows[0], rows[1]))
+    assert (row["model"], row["cache"], row["N"], row["batch"]) == ("llada", "none", "2", "2")
+    assert float(row["collectives per step"]) == pytest.approx(sum(t["collectives"] for t in traffic.values()), abs=0.05)
+    assert row["of which layer MB"] == f"{2 * cfg.n_layers * canvas / 2**20:.2f}"
