@@ -14,6 +14,10 @@
 # Last the serving row of BENCHMARKS.md ("The engine in its own process"): `dllm bench-serve` of SERVE_MODEL
 # (default tiny-llada; empty skips it), threshold/dual, 32 requests from 8 clients, every other at threshold 0.5,
 # 3 rounds, on DEVICE: served against sequential tokens/s and the engine's busy share (runs/gpu-bench/serve.json).
+# Tensor parallel (issue #48), only where `nvidia-smi -L` lists 2 GPUs or more: each of TP_MODELS (default
+# random:llada-8b with the dual cache, random:llada2-mini with its block cache; TP_MODELS= empty skips them) at
+# `--tensor-parallel` 1 and 2 (rank r on GPU r), batch 1 and 8, eager, into runs/gpu-bench/tp/, and a table of its
+# own: tokens/s, ms per step, weights and K/V bytes per token per rank, collectives and bytes sent per rank per step.
 #
 #   scripts/gpu_bench.sh                         # writes runs/gpu-bench/*.jsonl and prints the Markdown table
 #   MODEL=random:llada-tiny SDAR_MODEL=random:sdar-tiny LLADA2_MODEL=random:llada2-tiny DEVICE=cpu DTYPE=float32 \
@@ -30,6 +34,7 @@ LLADA2_MODEL=${LLADA2_MODEL-random:llada2-mini}
 QUANT=${QUANT-int8 int4 fp8}
 SERVE_MODEL=${SERVE_MODEL-tiny-llada}
 SERVE_REQUESTS=${SERVE_REQUESTS:-32}
+TP_MODELS=${TP_MODELS-random:llada-8b random:llada2-mini}
 mkdir -p "$OUT"
 for mode in $MODES; do  # one process per model, cache and mode: one load and one compilation for both batches;
   # per batch size a warm-up run, one timed run and one run that times each forward (dllm bench)
@@ -61,6 +66,39 @@ if [ -n "$SERVE_MODEL" ]; then  # one engine process beside the HTTP process, ea
     > "$OUT/serve.json"
   python -c "import json, sys; from dllm.serve.bench import format_bench; print(format_bench(json.load(sys.stdin)))" \
     < "$OUT/serve.json"
+fi
+if [ -n "$TP_MODELS" ] && [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)" -ge 2 ]; then
+  mkdir -p "$OUT/tp"
+  for model in $TP_MODELS; do
+    cache=dual
+    case "$model" in *llada2*|*sdar*) cache=block ;; esac  # block-causal: the exact block cache
+    for n in 1 2; do
+      dllm bench --model "$model" --device "$DEVICE" --dtype "$DTYPE" --sampler low_confidence --cache "$cache" \
+        --gen-length "$GEN" --batch-size 1,8 --repeats 1 --tensor-parallel "$n" --json \
+        > "$OUT/tp/$(basename "$model")-$cache-tp$n.jsonl"
+    done
+  done
+fi
+if compgen -G "$OUT/tp/*.jsonl" > /dev/null; then
+  python - "$OUT/tp" <<'EOF'
+import json
+import sys
+from pathlib import Path
+
+results = [json.loads(line) for path in sorted(Path(sys.argv[1]).glob("*.jsonl"))
+           for line in path.read_text().splitlines()]
+print(f"\ntensor parallel, {results[0]['model']['dtype']} on {results[0]['device']}, gen {results[0]['config']['gen_length']}\n")
+print("| model | cache | N | batch | tokens/s | ms per step | weights per rank MB | K/V per token per rank KB "
+      "| collectives per step | sent per rank per step MB | of which layer MB | peak MB |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+for r in results:
+    c, traffic = r["config"], r["traffic_per_step"]
+    print(f"| {r['model']['arch']} | {c['cache']['name']} | {c['tensor_parallel']} | {c['batch_size']} "
+          f"| {r['tokens_per_second']:.1f} | {r['ms_per_step']:.2f} | {r['weight_mb']:.1f} "
+          f"| {r['model']['kv_bytes_per_token'] / 1024:.1f} | {sum(t['collectives'] for t in traffic.values()):.1f} "
+          f"| {sum(t['bytes'] for t in traffic.values()) / 2**20:.2f} "
+          f"| {traffic.get('layer', {'bytes': 0})['bytes'] / 2**20:.2f} | {r['peak_mb']:.0f} |")
+EOF
 fi
 python - "$OUT" <<'EOF'
 import json

@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "are timed one after another on one loaded model (a JSON line each with --json)")
     b.add_argument("--prompt-length", type=int, default=64, help="random prompt tokens per row")
     b.add_argument("--repeats", type=int, default=3, help="timed runs (the median is reported) after a warm-up")
+    add_parallel_flag(b)  # the report adds the collectives and bytes each rank sends per step
     b.add_argument("--json", action="store_true")
     b.set_defaults(run=bench_command)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server, requests batched between blocks "
