@@ -1,4 +1,8 @@
+import socket
+import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -22,6 +26,23 @@ def shared_path(*parts: str) -> Path:
     if not p.exists():
         pytest.skip(f"{p} not available")
     return p
+
+
+def serve(*flags: str, env: dict | None = None, wait: float = 120) -> tuple[subprocess.Popen, str]:
+    """`dllm serve` with `flags` on a free loopback port, once it answers /health: the process and its URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "dllm.cli", "serve", "--port", str(port), *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + wait
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "no start"
+        try:
+            urllib.request.urlopen(url + "/health", timeout=5)
+            return proc, url
+        except OSError:
+            time.sleep(0.2)
 
 
 def random_model(preset: str, seed: int = 0, std: float = 0.2):

@@ -46,6 +46,14 @@ def metric_values(url: str) -> dict[str, float]:
     return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line[:1] != "#"}
 
 
+def wait_rows(url: str, rows: int, wait: float = 120) -> None:
+    """Until the engine holds `rows` rows (its numbers in /metrics)."""
+    deadline = time.monotonic() + wait
+    while metric_values(url)["dllm_batch_rows"] < rows:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
 def answers(deltas) -> dict[str, tuple[list[int], str | None]]:
     """Each request's answer from the engine's deltas: its tokens, and its finish reason (or error message)."""
     out = {}

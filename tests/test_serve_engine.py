@@ -6,7 +6,6 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,8 +20,9 @@ pytest.importorskip("zmq")
 psutil = pytest.importorskip("psutil")
 
 import dllm  # noqa: E402
+from conftest import serve  # noqa: E402
 from dllm.serve import EngineClient, LocalServer, post  # noqa: E402
-from test_serve import DEFAULTS, SPEC, chat, metric_values, text_of  # noqa: E402
+from test_serve import DEFAULTS, SPEC, chat, metric_values, text_of, wait_rows  # noqa: E402
 
 WAIT = 120  # seconds any one wait may take before the test fails (nothing hangs)
 LONG = chat("reverse: hello123", gen_length=224, block_length=32, ignore_eos=True)  # 7 blocks, one token a step
@@ -37,34 +37,9 @@ def long_answer(model, tok) -> str:
     return dllm.generate(model, tok, "reverse: hello123", gen_length=224, stop_early=False).texts[0]
 
 
-def serve(*flags) -> tuple[subprocess.Popen, str]:
-    """`dllm serve` on a free port, once it answers /health."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "dllm.cli", "serve", "--port", str(port), *flags],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + WAIT
-    while True:
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "no start"
-        try:
-            urllib.request.urlopen(url + "/health", timeout=5)
-            return proc, url
-        except OSError:
-            time.sleep(0.2)
-
-
 def engine_of(proc: subprocess.Popen) -> psutil.Process:
     (child,) = psutil.Process(proc.pid).children()
     return child
-
-
-def wait_rows(url: str, rows: int) -> None:
-    """Until the engine holds `rows` rows (its numbers in /metrics)."""
-    deadline = time.monotonic() + WAIT
-    while metric_values(url)["dllm_batch_rows"] < rows:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
 
 
 def streamed(url: str, body: dict, out: list) -> None:

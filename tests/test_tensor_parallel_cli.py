@@ -5,14 +5,13 @@ the server (exit 1, one line naming the rank, every rank process gone) within se
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 
 import pytest
+from conftest import serve
 
 import dllm
 from dllm.cli import main
@@ -66,21 +65,8 @@ def test_what_cannot_run_split_is_refused_in_one_line(argv, environ, message, ca
     assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
 
 
-def serve(*flags: str) -> tuple[subprocess.Popen, str]:
-    """`dllm serve` on a free port, once it answers /health."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "dllm.cli", "serve", "--port", str(port), "--threads", "1", *flags],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + WAIT
-    while True:
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "no start"
-        try:
-            urllib.request.urlopen(url + "/health", timeout=5)
-            return proc, url
-        except OSError:
-            time.sleep(0.2)
+def served(*flags: str) -> tuple[subprocess.Popen, str]:
+    return serve("--threads", "1", *flags, env=ENV, wait=WAIT)
 
 
 def in_flight(url: str, bodies: list[dict]) -> tuple[list, list[threading.Thread]]:
@@ -101,12 +87,12 @@ def in_flight(url: str, bodies: list[dict]) -> tuple[list, list[threading.Thread
 def test_serve_with_two_ranks_answers_as_one_process_and_a_killed_rank_ends_it(tiny):
     psutil = pytest.importorskip("psutil")
     pytest.importorskip("fastapi")
-    from test_serve import metric_values
+    from test_serve import wait_rows
 
     model, tok = tiny
     cases = [("reverse: hello123", {}), ("sort: 42,07,19,03", {"threshold": 0.5}),
              ("add: 0457+0168", {"temperature": 0.8, "seed": 3}), ("copy: k3x9a", {"cache": "none"})]
-    proc, url = serve("--tensor-parallel", "2", "--sampler", "threshold", "--cache", "dual")
+    proc, url = served("--tensor-parallel", "2", "--sampler", "threshold", "--cache", "dual")
     try:
         engine = psutil.Process(proc.pid).children()[0]
         (follower,) = engine.children()  # rank 1, the engine's child
@@ -122,10 +108,7 @@ def test_serve_with_two_ranks_answers_as_one_process_and_a_killed_rank_ends_it(t
 
         long = {"model": "tiny-llada", "prompt": "reverse: hello123", "gen_length": 224, "ignore_eos": True}
         results, threads = in_flight(url, [long])
-        deadline = time.monotonic() + WAIT
-        while metric_values(url)["dllm_batch_rows"] < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_rows(url, 1, WAIT)
         follower.kill()
         began = time.monotonic()
         threads[0].join(WAIT)
@@ -146,19 +129,16 @@ def test_serve_with_two_ranks_answers_as_one_process_and_a_killed_rank_ends_it(t
 def test_sigterm_drains_a_served_request_then_every_rank_exits_0(tiny):
     psutil = pytest.importorskip("psutil")
     pytest.importorskip("fastapi")
-    from test_serve import metric_values
+    from test_serve import wait_rows
 
     model, tok = tiny
-    proc, url = serve("--tensor-parallel", "2")
+    proc, url = served("--tensor-parallel", "2")
     try:
         processes = psutil.Process(proc.pid).children(recursive=True)  # the engine (rank 0) and rank 1
         assert len(processes) == 2
         body = {"model": "tiny-llada", "prompt": "copy: k3x9a", "gen_length": 64, "ignore_eos": True}
         results, threads = in_flight(url, [body])
-        deadline = time.monotonic() + WAIT
-        while metric_values(url)["dllm_batch_rows"] < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_rows(url, 1, WAIT)
         proc.send_signal(signal.SIGTERM)
         threads[0].join(WAIT)
         assert proc.wait(timeout=WAIT) == 0, proc.stdout.read()
