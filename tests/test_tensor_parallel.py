@@ -182,6 +182,28 @@ def test_every_sampler_commits_the_tokens_of_one_process(sampler):
     assert any(not isinstance(r, str) for r in results)  # not every combination refused
 
 
+@pytest.mark.parametrize("preset,sampler,args", [("llada-tiny", "threshold", {"threshold": 0.3}),
+                                                 ("llada-tiny", "low_confidence", {"temperature": 0.8}),
+                                                 ("dream-tiny", "maskgit_plus", {"temperature": 0.5, "top_p": 0.9})])
+def test_logprobs_equal_one_process(preset, sampler, args):
+    """`logprobs=k`: each token's log-probability and the k best, merged from the ranks' slices (the log-softmax's
+    normalizer, the owner's value, the ranks' top k) where the sampler reads them so, else from the gathered logits
+    (Dream's truncated distribution)."""
+    captured, gathered = [], parallel.RANKS.traffic.calls["gather"]
+    for model in models(preset):
+        batch = Batch(model, samplers.SAMPLERS.create(sampler, **args), caches.CACHES.create("none"), BLOCK, BLOCK)
+        rows = [batch.add(prompt, GEN, seed, logprobs=3) for seed, prompt in enumerate(PROMPTS)]
+        while batch.running:
+            batch.run_block()
+        captured.append([[(t.token, t.logprob, [i for i, _ in t.top]) for t in batch.logprobs(row)] for row in rows])
+    one, two = captured
+    assert (parallel.RANKS.traffic.calls["gather"] > gathered) == (sampler == "maskgit_plus")
+    assert [[(token, ids) for token, _, ids in row] for row in two] == \
+        [[(token, ids) for token, _, ids in row] for row in one]
+    assert [value for row in two for _, value, _ in row] == \
+        pytest.approx([value for row in one for _, value, _ in row], abs=1e-5)
+
+
 @pytest.mark.parametrize("cache", [cls.name for cls in caches.CACHES])
 @pytest.mark.parametrize("preset", ["llada-tiny", "dream-tiny"])
 def test_every_cache_plans_the_same_rows_on_every_rank(cache, preset):

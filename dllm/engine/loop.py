@@ -503,7 +503,8 @@ class Batch:
             added = added - (written & ~commit & (out.tokens == canvas.mask_id)).sum()  # re-masked: uncommitted
         if self.captured is not None:  # the committed (and edited) tokens, not a renoised canvas's drafts (a re-masked
             # position's is rewritten when it is committed again)
-            drawn_from = full_logits(ctx.logits if out.logits is None else out.logits)
+            drawn_from = ctx.logits if out.logits is None else out.logits  # a tensor-parallel rank's columns
+            # where the sampler reads them so (the captured values merged over the ranks)
             self.captured.write(written, lo, hi, self.stacked.log_distribution(drawn_from), out.tokens)
         new = out.tokens
         if out.draft is not None:  # positions that stay uncommitted take the draft (a uniform-state canvas renoised)

@@ -5,7 +5,8 @@
 all-gather, never a gather of the full vocabulary: the argmax (ties to the smallest id, as `torch.argmax`, also of
 logits plus Gumbel noise drawn over the whole vocabulary from each row's generator, so every rank and a single
 process draw the same), a token's probability, the entropy, the top-k values. The merges run on the same gathered
-numbers on every rank, so every rank takes the same decision. `full()` gathers the whole vocabulary for what needs
+numbers on every rank, so every rank takes the same decision. A token's log-probability and the top-k of the
+log-softmax (what `logprobs=k` captures) merge alike. `full()` gathers the whole vocabulary for what needs
 it (counted as `gather` traffic): a sampler that reads the logits any other way gets them gathered by the loop
 (`Sampler.reads_shards`).
 
@@ -136,12 +137,24 @@ class ShardedLogits:
         logits = self.local.float()
         if unscored is not None:
             logits = logits.masked_fill(self._unscored(unscored, logits), -torch.inf)
-        local = tokens - self.shard.start
-        held = (local >= 0) & (local < logits.shape[-1])
-        own = logits.gather(-1, local.clamp(0, logits.shape[-1] - 1)[..., None])[..., 0].masked_fill(~held, -torch.inf)
-        chosen = self._gather(own)[..., 0].amax(0).float()  # the owner's logit
+        chosen = self._like(logits).gather(-1, tokens[..., None])[..., 0]
         top, total = self._normalizer(logits)
         return (chosen - top).exp() * (1 / total)
+
+    def gather(self, dim: int, index: Tensor) -> Tensor:
+        """`logits.gather(-1, index)` of the whole logits: each id's value, from the rank that holds it."""
+        _check_last(dim, self.dim())
+        local = index - self.shard.start
+        held = (local >= 0) & (local < self.local.shape[-1])
+        own = self.local.gather(-1, local.clamp(0, self.local.shape[-1] - 1)).masked_fill(~held, -torch.inf)
+        return self.shard.all_gather(own, "sampler").amax(0)
+
+    def log_softmax(self, dim: int = -1) -> "ShardedLogits":
+        """`logits.float().log_softmax(-1)`, this rank's columns of it: l - M - log S, M and S merged."""
+        _check_last(dim, self.dim())
+        logits = self.local.float()
+        top, total = self._normalizer(logits)
+        return self._like(logits - top[..., None] - total.log()[..., None])
 
     def _unscored(self, unscored: Tensor, logits: Tensor) -> Tensor:
         """`[..., stop - start]` bool: this rank's columns that `unscored` leaves out."""
@@ -160,9 +173,7 @@ class ShardedLogits:
     def entropy(self) -> Tensor:
         """Entropy (nats) of softmax(logits) of each row in fp32, as `samplers.token_entropy` computes it from the
         log-softmax x - M - log S (a -inf logit counts 0): each rank its columns' terms, summed over the ranks."""
-        logits = self.local.float()
-        top, total = self._normalizer(logits)
-        logp = logits - top[..., None] - total.log()[..., None]
+        logp = self.log_softmax().local
         terms = -(logp.exp() * logp.clamp(min=torch.finfo(logp.dtype).min)).sum(-1)
         return self._gather(terms)[..., 0].float().sum(0)
 
