@@ -329,6 +329,38 @@ def test_the_ranks_listen_on_loopback_only(group):
     assert len(listening) >= 2 * SIZE and set(listening) <= {"127.0.0.1", "::1", "::ffff:127.0.0.1"}, listening
 
 
+def test_a_callback_that_cancels_or_raises_mid_block_reaches_every_rank():
+    """`dllm serve`'s pattern: the callback after a step cancels a row (rank 0's call reaches the others with the
+    step's check), and a callback that raises stops every rank's block, the ranks still in step after."""
+    answers = []
+    for model in models("llada-tiny"):
+        def cancel(info):
+            if (info["block"], info["step"]) == (0, 2):
+                batch.cancel(rows[1])
+
+        batch = Batch(model, samplers.SAMPLERS.create("low_confidence"), caches.CACHES.create("none"), BLOCK, BLOCK,
+                      callback=cancel)
+        rows = [batch.add(prompt, GEN, seed) for seed, prompt in enumerate(PROMPTS)]
+        while batch.running:
+            batch.run_block()
+        answers.append(([batch.answer(row) for row in rows], batch.finish().nfe))
+    assert answers[1] == answers[0]
+    assert PRESETS["llada-tiny"].mask_id in answers[0][0][1]  # the cancelled row stopped with masks left
+
+    def refuse(info):
+        if info["step"] == 1:
+            raise DllmError("stop here")
+
+    whole, split = models("llada-tiny")
+    batch = Batch(split, samplers.SAMPLERS.create("low_confidence"), caches.CACHES.create("none"), BLOCK, BLOCK,
+                  callback=refuse)
+    batch.add(PROMPTS[0], GEN)
+    with pytest.raises(DllmError, match="stop here"):
+        batch.run_block()
+    assert decoded(split, samplers.SAMPLERS.create("threshold"), caches.CACHES.create("dual")) == \
+        decoded(whole, samplers.SAMPLERS.create("threshold"), caches.CACHES.create("dual"))
+
+
 # -- a killed rank ----------------------------------------------------------------------------------------------------
 KILLED = """
 import os, signal, sys, time, torch, dllm

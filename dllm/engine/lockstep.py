@@ -1,10 +1,10 @@
 """Batches on a tensor-parallel model: every rank runs rank 0's batches in lockstep (spec `parallel_and_engine.md` A4,
 SPMD). Rank 0's `Batch` shares itself with the other ranks (each builds its own on its shard of the model, see
 `dllm.models.parallel`) and posts every call that changes it (rows added, removed, cancelled); a block starts on every
-rank at once, and where rank 0 runs a callback after each step (`dllm serve` reads its inbox there, and may cancel
-rows) the other ranks take rank 0's calls of that step at the same point. Nothing else is sent: plans, samplers'
-decisions and commits follow on every rank from the same numbers. After every step each rank's canvas is hashed and
-the hashes compared (`ranks_differ`), so ranks that ever disagree fail at that step."""
+rank at once. After every step the ranks all-gather a hash of their canvases and whether rank 0 has calls for them
+(`step_flags`): ranks that ever disagree fail at that step, and the calls rank 0's callback made (`dllm serve` reads
+its inbox there, and may cancel rows) reach the others then, only when there are any. Nothing else is sent: plans,
+samplers' decisions and commits follow on every rank from the same numbers."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
@@ -30,13 +30,12 @@ def share_batch(batch: Batch, make: Callable, *args) -> None:
 
 
 def lead_block(batch: Batch, run: Callable[[], None]) -> None:
-    """Rank 0's block: the other ranks start it too; a callback after each step sends that step's calls (and on an
-    error stops theirs). An error other than a `DllmError` (which every rank raises alike) leaves the ranks out of
-    step: the group fails."""
+    """Rank 0's block: the other ranks start it too. An error other than a `DllmError` (which every rank raises alike)
+    leaves the ranks out of step: the group fails."""
     ranks, callback = batch.ranks, batch.callback
-    ranks.send(_follow_block, batch, callback is not None)
+    ranks.send(_follow_block, batch)
     if callback is not None:
-        batch.callback = lambda info: _lead_step(ranks, callback, info)
+        batch.callback = lambda info: _lead_step(batch, callback, info)
     try:
         run()
     except DllmError:
@@ -49,43 +48,50 @@ def lead_block(batch: Batch, run: Callable[[], None]) -> None:
         batch.callback = callback
 
 
-def _lead_step(ranks: Ranks, callback: Callable[[dict], None], info: dict) -> None:
+def _lead_step(batch: Batch, callback: Callable[[dict], None], info: dict) -> None:
+    """Rank 0's callback; if it raises, the other ranks stop their block where they take the step's calls."""
     try:
         callback(info)
     except BaseException:
-        if ranks.failure is None:
-            ranks.send(_stop_block)
+        if batch.ranks.failure is None:
+            batch.ranks.post(_stop_block)
+            step_flags(batch.ranks, batch.canvas.tokens)
+            batch.ranks.send()
         raise
-    ranks.send()
 
 
-def _follow_block(batch: Batch, synced: bool) -> None:
-    """The other ranks: run the block rank 0 runs, taking rank 0's calls after each step where it has a callback. A
-    `DllmError` stops the block here as it stops rank 0's (the ranks decide alike)."""
-    batch.callback = (lambda info: _follow_step(batch.ranks)) if synced else None
+def _follow_block(batch: Batch) -> None:
+    """The other ranks: run the block rank 0 runs. A `DllmError` stops the block here as it stops rank 0's (the ranks
+    decide alike)."""
     try:
         batch.run_block()
     except RankFailed:
         raise
     except DllmError:
         pass
-    finally:
-        batch.callback = None
-
-
-def _follow_step(ranks: Ranks) -> None:
-    for fn, args in ranks.receive():
-        fn(*args)
 
 
 def _stop_block() -> None:
     raise DllmError("rank 0 stopped this block")
 
 
-def ranks_differ(ranks: Ranks, tokens: Tensor) -> Tensor:
-    """A device bool: the ranks' canvases `tokens` `[B, L]` differ (their hashes, all-gathered, are not all equal)."""
+def step_flags(ranks: Ranks, tokens: Tensor) -> Tensor:
+    """Every rank, after each step: device bools `[2]`, whether the ranks' canvases `tokens` `[B, L]` differ (their
+    hashes, all-gathered, are not all equal) and whether rank 0 has calls for the others (`take_calls`), in one
+    all-gather of two numbers."""
     flat = tokens.flatten()
     weights = torch.arange(1, len(flat) + 1, device=flat.device) * 2654435761  # Knuth's multiplicative constant
-    digest = ((flat + 1) * weights).sum()[None]  # int64, wrapping
-    gathered = ranks.all_gather(digest, "check")
-    return (gathered != gathered[0]).any()
+    digest = ((flat + 1) * weights).sum()  # int64, wrapping
+    calls = torch.tensor(len(ranks.pending) if ranks.leader else 0, device=flat.device)
+    gathered = ranks.all_gather(torch.stack((digest, calls)), "check")
+    return torch.stack(((gathered[:, 0] != gathered[0, 0]).any(), gathered[0, 1] > 0))
+
+
+def take_calls(ranks: Ranks) -> None:
+    """After a step whose `step_flags` said rank 0 has calls (a callback's cancels): rank 0 sends them, the other
+    ranks make them."""
+    if ranks.leader:
+        ranks.send()
+    else:
+        for fn, args in ranks.receive():
+            fn(*args)

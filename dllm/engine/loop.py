@@ -20,7 +20,7 @@ from .canvas import Canvas
 from .checks import (check_auto_length, check_block_layout, check_guidance, check_lengths, check_policies,
                      check_prefix_cache)
 from .guidance import Guidance
-from .lockstep import lead_block, ranks_differ, share_batch
+from .lockstep import lead_block, share_batch, step_flags, take_calls
 from .logprobs import Captured, TokenLogprob, check_logprobs, token_logprobs
 from .runner import Runner, clock
 from .stats import Stats, trace_step
@@ -546,14 +546,20 @@ class Batch:
                            checks: list[Tensor]) -> list[bool]:
         """The rows still open in the block, read with the step's checks in one wait for the device; a sampler
         that stalled or committed other tokens than its verified draft is an error."""
-        if self.ranks is not None:  # every rank holds the same canvas
-            checks = [*checks, ranks_differ(self.ranks, self.canvas.tokens)]
+        if self.ranks is not None:  # every rank holds the same canvas; rank 0's callback may have calls for the others
+            checks = [*checks, *step_flags(self.ranks, self.canvas.tokens)]
         flags = torch.cat([self._open_rows(ctx.block_start, ctx.block_end, out.again), torch.stack(checks)]).tolist()
         batch = len(self.rows)
         open_now, (stalled, *diverged) = flags[:batch], flags[batch:]
-        if self.ranks is not None and diverged.pop():
-            raise DllmError(f"the tensor-parallel ranks hold different tokens after block {self.block} step "
-                            f"{ctx.step}; their decisions diverged (a nondeterministic kernel?)")
+        if self.ranks is not None:
+            ranks_differ, calls = diverged[-2:]
+            del diverged[-2:]
+            if calls:  # the other ranks make them now (a cancel closes a row): their open rows read again
+                take_calls(self.ranks)
+                open_now = self._open_rows(ctx.block_start, ctx.block_end, out.again).tolist()
+            if ranks_differ:
+                raise DllmError(f"the tensor-parallel ranks hold different tokens after block {self.block} step "
+                                f"{ctx.step}; their decisions diverged (a nondeterministic kernel?)")
         if stalled:
             raise DllmError(f"sampler {self.sampler.name!r} committed nothing for an unfinished row at block "
                             f"{self.block} step {ctx.step}; a sampler must commit at least one position per row")
