@@ -84,7 +84,9 @@ class Ranks:
                  directory: str | None = None):
         self.rank, self.size, self.device = rank, size, device
         self.followers, self.directory = followers or [], directory  # ranks 1.. this process started
-        self.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+        # the other ranks wait for rank 0's next call without end; rank 0's sends time out as the collectives do
+        self.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT if rank else
+                                      datetime.timedelta(seconds=timeout_seconds()))
         self.traffic = Traffic()
         self.pending: list[tuple] = []  # rank 0's calls not yet sent
         self.keys = itertools.count(1)
@@ -126,6 +128,8 @@ class Ranks:
             why = f"tensor-parallel rank {rank} exited (code {code})"
         elif not self.leader and isinstance(error, RuntimeError) and "closed" in str(error).lower():
             why = "tensor-parallel rank 0 has gone"
+        elif "timed out" in str(error).lower() or "timeout" in str(error).lower():
+            why = f"a tensor-parallel rank did not answer within {timeout_seconds():g} s (DLLM_TP_TIMEOUT)"
         else:
             why = f"a tensor-parallel collective failed ({type(error).__name__}: {_first_line(error)})"
         self.failure = f"{why}; the model's ranks cannot go on, load it again"
