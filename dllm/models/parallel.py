@@ -23,6 +23,7 @@ import itertools
 import json
 import os
 import pickle
+import shutil
 import signal
 import socket
 import subprocess
@@ -192,7 +193,8 @@ class Ranks:
         return (_Unpickler(io.BytesIO(call)).load() for call in message[0])
 
     def close(self) -> None:
-        """Rank 0: tell the other ranks to exit, wait for those this process started, leave the group."""
+        """Rank 0: tell the other ranks to exit, wait for those this process started, leave the group, remove the
+        directory where they met."""
         global RANKS
         if self.leader and self.failure is None:
             try:
@@ -210,6 +212,8 @@ class Ranks:
         OBJECTS.clear()
         if dist.is_initialized():
             dist.destroy_process_group()
+        if self.directory is not None:  # the file store the ranks met at
+            shutil.rmtree(self.directory, ignore_errors=True)
         RANKS = None
 
 

@@ -71,9 +71,6 @@ class ShardedLogits:
     def double(self) -> "ShardedLogits":
         return self._like(self.local.double())
 
-    def to(self, dtype: torch.dtype) -> "ShardedLogits":
-        return self._like(self.local.to(dtype))
-
     def expand(self, *sizes: int) -> "ShardedLogits":
         return self._like(self.local.expand(*sizes[:-1], -1))
 
