@@ -56,6 +56,8 @@ def test_generate_with_two_ranks_answers_as_one_process(tiny):
     (["serve", "--tensor-parallel", "2", "--replicas", "2"], {}, "drop --replicas or --tensor-parallel"),
     (["serve", "--tensor-parallel", "2"], {"WORLD_SIZE": "2"}, "run it as one process, not under torchrun"),
     (["eval", "--tensor-parallel", "2", "--limit", "1"], {"WORLD_SIZE": "2"}, "run it as one plain process"),
+    (["generate", "x"], {"WORLD_SIZE": "2"},
+     "torchrun started 2 processes, and each would decode alone; add --tensor-parallel 2 to split the model"),
 ])
 def test_what_cannot_run_split_is_refused_in_one_line(argv, environ, message, capsys, monkeypatch):
     for key, value in environ.items():

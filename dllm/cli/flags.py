@@ -100,10 +100,15 @@ def add_parallel_flag(p: argparse.ArgumentParser) -> None:
 
 
 def check_parallel_flags(args) -> None:
-    """Refuse, before anything loads, what --tensor-parallel N > 1 cannot run with."""
+    """Refuse, before anything loads, what --tensor-parallel N > 1 cannot run with, and a command that decodes under
+    torchrun without it."""
     size = getattr(args, "tensor_parallel", 1)
     if size < 1:
         raise DllmError(f"--tensor-parallel must be at least 1, got {size}")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if size == 1 and world > 1 and getattr(args, "command", None) in ("generate", "chat", "bench"):
+        raise DllmError(f"torchrun started {world} processes, and each would decode alone; add --tensor-parallel "
+                        f"{world} to split the model over them")
     if size == 1:
         return
     if args.quantize is not None:
