@@ -248,11 +248,12 @@ def test_shipped_models_answer_as_one_process(name):
 
 def test_readme_example_on_two_ranks():
     model, tokenizer = dllm.load("tiny-llada", tensor_parallel=2)
-    gathered = model.tp.ranks.traffic.calls["gather"]
+    before = dict(model.tp.ranks.traffic.calls)
     out = dllm.generate(model, tokenizer, "reverse: hello123", sampler="threshold", cache="dual")
     assert out.texts == ["#### 321olleh"]
-    assert model.tp.ranks.traffic.calls["gather"] == gathered  # threshold reads merged statistics, never the whole
-    # logits
+    calls = {kind: n - before.get(kind, 0) for kind, n in model.tp.ranks.traffic.calls.items()}
+    assert calls.get("gather", 0) == 0  # threshold reads merged statistics, never the whole logits: the argmax (its
+    assert calls["sampler"] == 2 * out.stats.nfe  # max reused) and the token's logit with the softmax sum
 
 
 @pytest.mark.filterwarnings("ignore:.*outside the prompts this model was trained on")  # lm-eval's prompts: no template

@@ -38,6 +38,7 @@ class ShardedLogits:
 
     def __init__(self, local: Tensor, shard: Shard):
         self.local, self.shard = local, shard
+        self._top: Tensor | None = None  # the merged row max (fp32), once a merge has read it: the next reuses it
 
     # -- what samplers read as of a tensor ----------------------------------------------------------------------
     @property
@@ -101,6 +102,7 @@ class ShardedLogits:
         ranks = self._gather(values, ids + self.shard.start)
         best = ranks[..., 0].nan_to_num(nan=-torch.inf).amax(0)
         ids = ranks[..., 1].masked_fill(ranks[..., 0] != best, torch.inf).amin(0)
+        self._top = best.float()
         return TopK(best.to(self.dtype), ids.long())
 
     def topk(self, k: int, dim: int = -1) -> TopK:
@@ -120,31 +122,46 @@ class ShardedLogits:
         top = values.topk(k, -1, sorted=True)
         return TopK(top.values.to(self.dtype), ids.gather(-1, top.indices).long())
 
+    def _row_max(self, logits: Tensor, own: bool = True) -> Tensor:
+        """The merged row max M of fp32 `logits`: this object's `local` (`own`: merged once, then reused) or a masked
+        copy of them."""
+        if own and self._top is not None:
+            return self._top
+        top = self._gather(logits.amax(-1))[..., 0].amax(0).float()
+        if own:
+            self._top = top
+        return top
+
     def _normalizer(self, logits: Tensor) -> tuple[Tensor, Tensor]:
         """The row max M and sum S of exp(logit - M) of fp32 `logits` (this rank's columns), merged: the two numbers
         torch's fp32 softmax divides by (exp(l - M) * (1 / S)), so that a merged probability rounds as the whole
         row's softmax does wherever it can (the most probable token's is 1 / S in both)."""
-        top = self._gather(logits.amax(-1))[..., 0].amax(0).float()
+        top = self._row_max(logits)
         sums = self._gather((logits - top[..., None]).exp().sum(-1))[..., 0].float()
         return top, sums.sum(0)
 
     def token_probability(self, tokens: Tensor, unscored: Tensor | None = None) -> Tensor:
         """`softmax(logits.float())[token]` of each row (`samplers.token_probability`, whose `unscored` ids or
-        `[B, V]` mask score as if their logits were -inf)."""
+        `[B, V]` mask score as if their logits were -inf): the token's logit and S in one all-gather after M (none
+        for M after `argmax`)."""
         logits = self.local.float()
         if unscored is not None:
             logits = logits.masked_fill(self._unscored(unscored, logits), -torch.inf)
-        chosen = self._like(logits).gather(-1, tokens[..., None])[..., 0]
-        top, total = self._normalizer(logits)
+        top = self._row_max(logits, own=unscored is None)
+        merged = self._gather(self._owned(logits, tokens[..., None])[..., 0], (logits - top[..., None]).exp().sum(-1))
+        chosen, total = merged[..., 0].amax(0).float(), merged[..., 1].float().sum(0)
         return (chosen - top).exp() * (1 / total)
+
+    def _owned(self, logits: Tensor, index: Tensor) -> Tensor:
+        """`logits`' values at the ids `index` this rank holds, -inf at the others'."""
+        local = index - self.shard.start
+        held = (local >= 0) & (local < logits.shape[-1])
+        return logits.gather(-1, local.clamp(0, logits.shape[-1] - 1)).masked_fill(~held, -torch.inf)
 
     def gather(self, dim: int, index: Tensor) -> Tensor:
         """`logits.gather(-1, index)` of the whole logits: each id's value, from the rank that holds it."""
         _check_last(dim, self.dim())
-        local = index - self.shard.start
-        held = (local >= 0) & (local < self.local.shape[-1])
-        own = self.local.gather(-1, local.clamp(0, self.local.shape[-1] - 1)).masked_fill(~held, -torch.inf)
-        return self.shard.all_gather(own, "sampler").amax(0)
+        return self.shard.all_gather(self._owned(self.local, index), "sampler").amax(0)
 
     def log_softmax(self, dim: int = -1) -> "ShardedLogits":
         """`logits.float().log_softmax(-1)`, this rank's columns of it: l - M - log S, M and S merged."""
