@@ -286,9 +286,3 @@ def cosine(x: Tensor, y: Tensor, dim: int, shard: Shard | None) -> Tensor:
         return F.cosine_similarity(x, y, dim=dim)
     dot, xx, yy = shard.all_reduce(torch.stack(((x * y).sum(dim), (x * x).sum(dim), (y * y).sum(dim))), "cache")
     return dot / (xx * yy).clamp_min(1e-16).sqrt()
-
-
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's tensors (this rank's shard on a tensor-parallel model; a meta model counts its shapes)."""
-    seen = {id(p): p for p in model.parameters()}
-    return sum(p.numel() * p.element_size() for p in seen.values())
