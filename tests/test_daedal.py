@@ -24,14 +24,14 @@ RANDOM_IDS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17, 18]]
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    model, tok = dllm.load("tiny-llada")
+def tiny(tiny_llada):
+    model, tok = tiny_llada
     return model, tok, encode_prompts(tok, TEXTS, chat=True)
 
 
 @pytest.fixture(scope="module")
-def tiny_dream():
-    model, tok = dllm.load("tiny-dream")
+def dream(tiny_dream):
+    model, tok = tiny_dream
     return model, encode_prompts(tok, TEXTS, chat=True)
 
 
@@ -228,10 +228,10 @@ def test_a_batch_whose_rows_grow_apart_decodes_each_as_alone(tiny, rand):
     assert len({len(c) for c in ours(tiny[0], tiny[2], Daedal(**params), block)[0]}) == 2
 
 
-def test_on_dream_it_grows_on_aligned_logits_as_on_llada(tiny_dream):
+def test_on_dream_it_grows_on_aligned_logits_as_on_llada(dream):
     """The authors run LLaDA only; on Dream (shifted logits, aligned by the model) the same rules apply to position
     i's logits, and the transcription run on Dream's aligned logits agrees."""
-    model, ids = tiny_dream
+    model, ids = dream
     params, block = CONFIGS["a"]
     for prompt in ids:
         canvas, nfe, *_ = reference_daedal(model, [prompt], **reference_args(params, block))

@@ -5,7 +5,6 @@ import pytest
 import torch
 from conftest import random_model
 
-import dllm
 from dllm import cache as caches
 from dllm import samplers
 from dllm.core.errors import DllmError
@@ -18,8 +17,8 @@ IDS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    model, tok = dllm.load("tiny-llada")
+def tiny(tiny_llada):
+    model, tok = tiny_llada
     return model, encode_prompts(tok, TEXTS, chat=True)
 
 
