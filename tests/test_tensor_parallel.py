@@ -342,10 +342,13 @@ def test_a_callback_that_cancels_or_raises_mid_block_reaches_every_rank():
         batch = Batch(model, samplers.SAMPLERS.create("low_confidence"), caches.CACHES.create("none"), BLOCK, BLOCK,
                       callback=cancel)
         rows = [batch.add(prompt, GEN, seed) for seed, prompt in enumerate(PROMPTS)]
+        sent = parallel.RANKS.traffic.calls["control"]
         while batch.running:
             batch.run_block()
         answers.append(([batch.answer(row) for row in rows], batch.finish().nfe))
     assert answers[1] == answers[0]
+    # rank 0's calls went out at the block starts and the cancel's step only, not after every step's callback
+    assert parallel.RANKS.traffic.calls["control"] - sent <= GEN // BLOCK + 2 < answers[0][1]
     assert PRESETS["llada-tiny"].mask_id in answers[0][0][1]  # the cancelled row stopped with masks left
 
     def refuse(info):
@@ -367,6 +370,7 @@ STOPPED = """
 import os, signal, sys, time, torch, dllm
 from dllm.models import parallel
 model, tokenizer = dllm.load("tiny-llada", tensor_parallel=2)
+print(parallel.RANKS.directory, file=sys.stderr)
 os.kill(parallel.RANKS.followers[0].pid, getattr(signal, sys.argv[1]))
 started = time.monotonic()
 try:
@@ -390,3 +394,4 @@ def test_a_killed_or_hung_rank_ends_the_run_with_one_line(signal_name, message):
     seconds, _, said = out.stdout.strip().partition(" s: ")
     assert said == f"{message}; the model's ranks cannot go on, load it again", out
     assert float(seconds) < 10 and time.monotonic() - started < 60
+    assert not os.path.exists(out.stderr.splitlines()[0])  # the directory the ranks met at, removed
