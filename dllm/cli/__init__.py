@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--batch-size", type=int, default=16)
     e.add_argument("--output", default=None, help="directory for results.jsonl and summary.json (resumable)")
     e.add_argument("--data", default=None,
-                   help="the task's records (.jsonl, .jsonl.gz or .json) instead of the packaged copy")
+                   help="the task's records (.jsonl, .jsonl.gz or .json) instead of the packaged copy; parallelbench: "
+                        "a checkout of furiosa-ai/ParallelBench (or set DLLM_PARALLELBENCH_DIR)")
     e.add_argument("--num-fewshot", type=int, default=None, help="examples before each question (default: the task's)")
     e.add_argument("--gold", action="store_true", help="score the dataset's reference solutions (no model)")
     e.add_argument("--sweep", action="append", default=[], metavar="KEY=VALUE[,...]",
