@@ -11,6 +11,7 @@ from dllm.cli import main
 from dllm.core.errors import DllmError
 from dllm.eval import parallelbench as pb
 from dllm.eval.harness import evaluate
+from dllm.eval.sweep import aup, pb_scores
 from dllm.eval.tasks import SUITES, TASKS
 
 FIXTURE = Path(__file__).parent / "data" / "parallelbench"
@@ -166,3 +167,33 @@ def test_all_17_tasks_run_and_the_suite_summary(tmp_path, capsys):
         assert s["accuracy_by_metric"].get("grammar") is None  # never a 0 for a tool that did not run
     assert summary["suite_tps"] == pytest.approx(sum(s["tps_canvas"] for s in tasks.values()) / 17)
     assert tasks["parallelbench/paraphrase_summarize/samsum"]["metrics_unavailable"] == ["grammar", "score"]
+
+
+def test_pb_scores_take_the_most_tokens_per_step_without_interpolation():
+    points = [(1.0, 95.0), (2.0, 85.0), (4.0, 79.9), (8.0, 81.0), (16.0, 20.0)]
+    assert pb_scores(points) == {"PB90": 1.0, "PB80": 8.0, "PB70": 8.0, "PB60": 8.0}
+    assert pb_scores([(1.0, 50.0)]) == {"PB90": None, "PB80": None, "PB70": None, "PB60": None}
+
+
+def test_a_sweep_over_steps_and_block_length_draws_score_against_tokens_per_step(tmp_path, capsys):
+    # a random model's paraphrases share no 4-gram with the source: 1 - BLEU = 1 at every point, so PB-x is the
+    # most tokens per step of the sweep
+    points = ["sampler=random,steps=64", "sampler=random,steps=16", "sampler=low_confidence,steps=16,block_length=8",
+              "sampler=threshold,threshold=0.001"]
+    args = ["eval", "--task", "parallelbench/paraphrase_summarize/chatgpt-paraphrases", *MODEL, "--data",
+            str(FIXTURE), "--limit", "2", "--batch-size", "2", "--output", str(tmp_path)]
+    assert main(args + [arg for p in points for arg in ("--sweep", p)]) == 0
+    result = json.loads((tmp_path / "sweep.json").read_text())
+    rows = {r["point"]: r for r in result["points"]}
+    assert [rows[p]["tps_canvas"] for p in points[:3]] == [1.0, 4.0, 4.0]  # gen 64 over the forwards, k = 64/steps
+    assert rows[points[2]]["nfe_mean"] == 16  # 8 blocks of 2 steps
+    assert rows[points[3]]["tps_canvas"] == 64.0  # everything at the first step
+    assert all(r["accuracy"] == 100.0 for r in rows.values())
+    assert result["axis"] == "tps_canvas" and result["pb"] == {f"PB{x}": 64.0 for x in (90, 80, 70, 60)}
+    assert result["aup"] == pytest.approx(aup([(r["tps_canvas"], r["accuracy"]) for r in result["points"]]))
+    out = capsys.readouterr().out
+    assert "| tokens/step |" in out and "PB80 64.00" in out and "over tokens per step" in out
+    if result.get("plot") is not None or (tmp_path / "pareto.png").exists():
+        assert (tmp_path / "pareto.png").stat().st_size > 0  # one curve per sampler (matplotlib installed)
+    assert main(args[:-1] + [str(tmp_path / "bad"), "--sweep", "steps=many"]) == 2
+    assert "steps takes a whole number, got 'many'" in capsys.readouterr().err
