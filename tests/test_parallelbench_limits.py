@@ -129,10 +129,17 @@ def test_random_top_k_matches_the_closed_forms(stand_in, n):
             assert within_4_sigma(acc, formula(counts)), (task, n, k, acc, float(formula(counts)))
 
 
-def test_confidence_top_k_at_temperature_1_on_shuffle(stand_in):
+def test_confidence_top_k_at_temperature_1(stand_in):
+    """Shuffle: every confidence is 1/m, the order does not matter, the formula holds. Replace: a sampled F has
+    confidence 1/m against (m-1)/m for "keep", so it is put off to the end, and the random-order formula is not
+    reached (spec section 5)."""
     for n, steps in ((4, 2), (6, 2), (6, 1)):
         acc, _, _ = decode(stand_in, "shuffle", n, sampler="low_confidence", steps=steps, temperature=1.0)
         assert within_4_sigma(acc, pl.shuffle_accuracy(pl.top_k_schedule(n, steps)))
+    for n, steps in ((4, 2), (6, 3)):
+        expected = float(pl.replace_random_accuracy(pl.top_k_schedule(n, steps)))
+        acc, _, _ = decode(stand_in, "replace_random", n, sampler="low_confidence", steps=steps, temperature=1.0)
+        assert acc < expected - 4 * math.sqrt(expected * (1 - expected) / ROWS)
 
 
 def test_deterministic_threshold_and_greedy_cases(stand_in):
