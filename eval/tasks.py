@@ -69,21 +69,27 @@ def _check_no_shots(task: str, k: int) -> None:
 
 # --- synthetic ---
 
-def _synthetic_items(data: str | None, k: int) -> tuple[list[Item], str]:
+def _synthetic_items(families: tuple[str, ...], data: str | None, k: int) -> tuple[list[Item], str]:
     """The held-out split, families interleaved so that `--limit` keeps every family."""
     if data is not None:
         raise DllmError("the synthetic task is generated, not read; drop --data")
     _check_no_shots("synthetic", k)
-    per_family = {f: synthetic.make_split("test", families=[f]) for f in synthetic.FAMILIES}
+    per_family = {f: synthetic.make_split("test", families=[f]) for f in families}
     n = min(map(len, per_family.values()))
     items = [Item(f"{f}-{i}", per_family[f][i].prompt, per_family[f][i].final_answer, f, per_family[f][i].answer)
-             for i in range(n) for f in synthetic.FAMILIES]
+             for i in range(n) for f in families]
     return items, "generated:eval.synthetic"
 
 
 def _synthetic_score(item: Item, text: str) -> Scores:
     answer = synthetic.extract_answer(text)
     return {"exact": (answer, answer == item.reference)}
+
+
+def _synthetic_lists_score(item: Item, text: str) -> Scores:
+    """Any right answer: a shuffle is any other order, a random replacement any one position."""
+    answer = synthetic.extract_answer(text)
+    return {"valid": (answer, answer is not None and synthetic.list_answer_ok(item.prompt, answer))}
 
 
 # --- GSM8K: lm-eval's `gsm8k` task (5-shot from train, strict and flexible extraction) ---
@@ -253,7 +259,11 @@ def _parallelbench_task(task_id: str) -> Task:
 
 
 TASKS: dict[str, Task] = {
-    "synthetic": Task(_synthetic_items, _synthetic_score),
+    "synthetic": Task(partial(_synthetic_items, synthetic.FAMILIES), _synthetic_score),
+    # ParallelBench's list operations on letters, for a tiny model trained on them (every block decoded, as
+    # ParallelBench counts tokens per step)
+    "synthetic_lists": Task(partial(_synthetic_items, synthetic.LIST_FAMILIES), _synthetic_lists_score,
+                            stop_early=False),
     "gsm8k": Task(_gsm8k_items, _gsm8k_score, default_fewshot=5),
     "math500": Task(_math_items, _math_score),
     "humaneval": Task(_humaneval_items, _humaneval_score, runs_code=True),

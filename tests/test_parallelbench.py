@@ -197,3 +197,28 @@ def test_a_sweep_over_steps_and_block_length_draws_score_against_tokens_per_step
     assert "steps takes a whole number, got 'many'" in capsys.readouterr().err
     pytest.importorskip("matplotlib")
     assert (tmp_path / "pareto.png").stat().st_size > 0  # one curve per sampler
+
+
+def test_list_families_for_a_tiny_parallelbench_model():
+    """ParallelBench's waiting-line operations on letters (eval/synthetic.py `LIST_FAMILIES`): every drawn target is
+    a right answer, the checker takes the other right answers and refuses the near misses."""
+    import re
+
+    from dllm.eval import synthetic
+
+    assert synthetic.FAMILIES == ("copy", "reverse", "sort", "count", "add")  # the shipped models' suite unchanged
+    for family in synthetic.LIST_FAMILIES:
+        for ex in synthetic.make_split("train", 100, families=[family]):
+            items = ex.prompt.partition(": ")[2].split(",")
+            assert re.fullmatch(synthetic.PROMPT_FORMATS[family], ex.prompt) and 3 <= len(set(items)) == len(items) <= 8
+            assert synthetic.score(ex, ex.answer), ex
+    ok = synthetic.list_answer_ok
+    assert ok("shuffle: a,b,c", "c,a,b") and not ok("shuffle: a,b,c", "a,b,c") and not ok("shuffle: a,b,c", "a,a,c")
+    assert ok("replace any with x: a,b,c", "a,b,x") and not ok("replace any with x: a,b,c", "x,x,c")
+    assert not ok("replace any with x: a,b,c", "a,b,c")
+    assert ok("replace 1 with x: a,b,c", "a,x,c") and not ok("replace 1 with x: a,b,c", "x,b,c")
+    assert ok("insert x: a,b,c", "x,a,b,c") and ok("insert x: a,b,c", "a,b,c,x") and not ok("insert x: a,b,c", "b,x,a,c")
+    assert ok("remove any: a,b,c", "a,c") and not ok("remove any: a,b,c", "c,a")
+    assert ok("sort list: c,a,b", "a,b,c") and not ok("reverse list: c,a,b", "c,a,b")
+    summary = evaluate(None, None, "synthetic_lists", gold=True, limit=16)
+    assert summary["accuracy"] == 1.0 and set(summary["per_group_accuracy"]) == set(synthetic.LIST_FAMILIES)
