@@ -189,8 +189,9 @@ def evaluate_suite(model, tokenizer, suite: str, *args: Any, output: str | Path 
 
 
 def count_records(output: str | Path, sweep: bool = False) -> int:
-    """Records in `output`, or with `sweep` in its points' folders."""
-    files = Path(output).glob("*/results.jsonl") if sweep else [Path(output) / "results.jsonl"]
+    """Records in `output` (a suite's in its tasks' folders), or with `sweep` in its points' folders."""
+    root = Path(output)
+    files = root.glob("*/**/results.jsonl") if sweep else [root / "results.jsonl", *root.glob("*/*/results.jsonl")]
     return sum(len(_read_records(f)) for f in files)
 
 

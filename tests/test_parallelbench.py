@@ -10,7 +10,7 @@ import pytest
 from dllm.cli import main
 from dllm.core.errors import DllmError
 from dllm.eval import parallelbench as pb
-from dllm.eval.harness import evaluate
+from dllm.eval.harness import count_records, evaluate
 from dllm.eval.sweep import aup, pb_scores
 from dllm.eval.tasks import SUITES, TASKS
 
@@ -167,6 +167,7 @@ def test_all_17_tasks_run_and_the_suite_summary(tmp_path, capsys):
         assert s["accuracy_by_metric"].get("grammar") is None  # never a 0 for a tool that did not run
     assert summary["suite_tps"] == pytest.approx(sum(s["tps_canvas"] for s in tasks.values()) / 17)
     assert tasks["parallelbench/paraphrase_summarize/samsum"]["metrics_unavailable"] == ["grammar", "score"]
+    assert count_records(out) == 17  # what an interrupted suite says it kept
 
 
 def test_pb_scores_take_the_most_tokens_per_step_without_interpolation():
