@@ -126,10 +126,10 @@ def parse_list(text: str, strict: bool = False) -> list[str] | None:
     elif strict:
         return None
     if not strict:
-        return [piece.strip('" ') for piece in text.split(",") if piece.strip('" ')]
+        return [piece.strip('" ') for piece in text.split(",") if piece.strip()]  # `""` stays, as an empty item
     items = []
     for piece in text.split(", "):
-        if len(piece) < 2 or piece[0] != '"' or piece[-1] != '"' or '"' in piece[1:-1]:
+        if not (piece.startswith('"') and piece.endswith('"')) or '"' in piece[1:-1]:
             return None
         items.append(piece[1:-1])
     return items

@@ -42,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "generation_config.json says multi_turn: false, as the shipped tiny models do)")
     c.set_defaults(run=chat_command)
     e = sub.add_parser("eval", help="score a sampler/cache on a task (JSONL per example + summary.json)")
-    e.add_argument("--task", default="synthetic")
+    e.add_argument("--task", default="synthetic",
+                   help="synthetic, synthetic_lists, gsm8k, math500, humaneval, mbpp, parallelbench (the 17 tasks), "
+                        "parallelbench/{waiting_line,text_writing,puzzles} or parallelbench/<group>/<task>")
     e.add_argument("--recipe", default=None, help="a published table's settings (`dllm list recipes`); the flags "
                    "given win over it, --model names the checkpoint's directory")
     add_decoding_flags(e)
