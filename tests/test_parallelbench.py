@@ -32,6 +32,8 @@ def test_list_parsing_and_the_list_metrics():
     assert headline("list_match_score", "A B,C D", ref) == 1.0  # no brackets, no spaces: still the list
     assert strict("list_match_score", '["A B","C D"]', ref) == 0.0  # strict wants '", "' between quoted items
     assert strict("list_match_score", '["A B", "C D"]', ref) == 1.0
+    assert pb.parse_list('["A", ""]') == ["A", ""] and pb.parse_list('x ["A", "B"]. ["C"]') == ["C"]  # the last list
+    assert pb.parse_list('["A", "B"', strict=True) is None and pb.parse_list('["A", "B\"C"]', strict=True) is None
     given = {"input": ["A", "B", "C"]}
     assert headline("list_shuffle_score", '["B", "C", "A"]', given) == 1.0
     assert headline("list_shuffle_score", '["A", "B", "C"]', given) == 0.0  # the identity is no shuffle
