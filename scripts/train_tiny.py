@@ -44,7 +44,7 @@ from tqdm import tqdm
 from dllm import cache as caches
 from dllm import samplers as samplers_mod
 from dllm.engine import decode, generate
-from dllm.eval.synthetic import CHARSET, FAMILIES, make_split, score, training_format
+from dllm.eval.synthetic import CHARSET, FAMILIES, LIST_FAMILIES, make_split, score, training_format
 from dllm.models import ARCHITECTURES_BY_NAME, ModelConfig
 from dllm.models.checkpoint import save_pretrained
 from dllm.models.gemma import GemmaConfig
@@ -124,17 +124,18 @@ def encode(tok, arch: str, examples, answer_length: int) -> tuple[torch.Tensor, 
 
 
 def parse_mix(text: str) -> dict[str, float]:
-    """``"copy:1,sort:2"`` -> sampling weight per family (families left out get 0)."""
+    """``"copy:1,sort:2"`` -> sampling weight per family (families left out get 0); the list families
+    (ParallelBench's operations on letters) only where named."""
     mix = {}
     for part in text.split(","):
         family, _, weight = part.partition(":")
-        bad = ValueError(f"bad --mix entry {part!r}; write family:weight with a family of {', '.join(FAMILIES)} "
-                         "and a weight >= 0")
+        bad = ValueError(f"bad --mix entry {part!r}; write family:weight with a family of "
+                         f"{', '.join(FAMILIES + LIST_FAMILIES)} and a weight >= 0")
         try:
             mix[family] = float(weight)
         except ValueError:
             raise bad from None
-        if family not in FAMILIES or not mix[family] >= 0:
+        if family not in FAMILIES + LIST_FAMILIES or not mix[family] >= 0:
             raise bad
     if not sum(mix.values()) > 0:
         raise ValueError(f"--mix {text!r} gives every family weight 0; give at least one a positive weight")
@@ -302,7 +303,7 @@ def evaluate(model, tok, examples, answer_length: int, block_length: int, sample
                               answer_length, block_length)
         texts = [tok.decode(row, skip_special_tokens=True) for row in canvas.tokens[:, canvas.prompt_length:].tolist()]
     model.train()
-    hits: dict[str, list[bool]] = {f: [] for f in FAMILIES}
+    hits: dict[str, list[bool]] = {ex.family: [] for ex in examples}
     for ex, text in zip(examples, texts):
         hits[ex.family].append(score(ex, text))
     acc = {f: sum(h) / len(h) for f, h in hits.items() if h}
@@ -405,7 +406,8 @@ def main(argv: list[str] | None = None) -> None:
     mix = parse_mix(args.mix)
     # trained on single turns (`dllm chat` starts each afresh) of these prompts (others get a notice); a uniform-state
     # model decodes one canvas per answer
-    written = {"multi_turn": False, **training_format([f for f in FAMILIES if mix.get(f, 0) > 0]),
+    lists = [f for f in LIST_FAMILIES if mix.get(f, 0) > 0]  # after the suite's examples, which stay as they were
+    written = {"multi_turn": False, **training_format([f for f in FAMILIES + LIST_FAMILIES if mix.get(f, 0) > 0]),
                **(dict(max_new_tokens=args.canvas_length, block_length=args.canvas_length) if args.arch == "dgemma"
                   else {})}  # generation_config.json, read as the loader reads it
     model.generation_defaults = read_generation_config(written, ARCHITECTURES_BY_NAME[config.arch],
@@ -414,9 +416,9 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
     start = load_state(state_dir, model, optimizer)
 
-    train = make_split("train", args.train_per_family)
+    train = make_split("train", args.train_per_family) + make_split("train", args.train_per_family, families=lists)
     prompts, lengths, answers = encode(tok, args.arch, train, args.answer_length)
-    held_out = [ex for f in FAMILIES for ex in make_split("test", args.eval_per_family, families=[f])]
+    held_out = [ex for f in FAMILIES + tuple(lists) for ex in make_split("test", args.eval_per_family, families=[f])]
     print(f"{args.arch}: {model.config.num_parameters() / 1e6:.2f}M parameters, {len(train)} training examples, "
           f"resuming at step {start}" if start else
           f"{args.arch}: {model.config.num_parameters() / 1e6:.2f}M parameters, {len(train)} training examples")
