@@ -37,13 +37,13 @@ def wedlm_fills(logits: Tensor, eligible: Tensor, positions: Tensor, entropy_thr
     logits `[B, C, V]`: each candidate mask's own row; eligible `[B, C]`: the masks of the row's window; positions
     `[B, C]`: their canvas positions (the distance is counted from each row's first eligible position, the window's
     first mask). `entropy_threshold` (None: one fill per step) and `pos_penalty` are numbers or per-row `[B]`
-    tensors (`stack_rows`, NaN for a row's None). The score `entropy + pos_penalty * distance` is float32 (the
-    authors' bf16 entropy promoted by the float32 distance term); ties of the fallback go to the first candidate. A
-    row with no eligible mask fills nothing."""
-    entropy = logits_dtype_entropy(logits).float()
+    tensors (`stack_rows`, NaN for a row's None). The score `entropy + pos_penalty * distance` adds a float32
+    distance term to the entropy in the logits' dtype (bf16 logits give a float32 score, as the authors'); ties
+    of the fallback go to the first candidate. A row with no eligible mask fills nothing."""
+    entropy = logits_dtype_entropy(logits)
     first = positions.masked_fill(~eligible, torch.iinfo(positions.dtype).max).min(1, keepdim=True).values
     distance = (positions - first).float()
-    score = (entropy + per_row(pos_penalty, entropy) * distance).masked_fill(~eligible, float("inf"))
+    score = (entropy + per_row(pos_penalty, distance) * distance).masked_fill(~eligible, float("inf"))
     if entropy_threshold is None:
         fill = torch.zeros_like(eligible)
     else:

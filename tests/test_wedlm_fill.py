@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from samplers.wedlm import ENTROPY_THRESHOLD, POS_PENALTY, WINDOW_SIZE, greedy_tokens, logits_dtype_entropy, \
+from dllm.samplers.wedlm import ENTROPY_THRESHOLD, POS_PENALTY, WINDOW_SIZE, greedy_tokens, logits_dtype_entropy, \
     wedlm_fills
 
 INF = float("inf")
