@@ -182,3 +182,15 @@ def test_the_canvas_form_equals_the_engine_loop(model, prompt):
             assert (answer, forwards, fills) == (t.tokens, t.forwards - 1, t.fills[:-1]), (w, tau, lam, n, stop_ids)
             filled_many += max(map(len, fills)) > 1
     assert filled_many > len(SETTINGS) // 2  # parallel fills, not only one a step
+
+
+def test_the_loop_with_blocks_of_one_is_a_window_of_one(model):
+    """What the loop already decodes on a causal model (blocks of one position, the exact block cache; the training
+    script's periodic check) is the authors' loop with W = 1, a batch of unequal prompts at once."""
+    import dllm
+
+    tok = dllm.load("random:wedlm-tiny")[1]
+    got = dllm.generate(model, tok, RANDOM_PROMPTS, sampler="low_confidence", gen_length=12, block_length=1)
+    for prompt, ids in zip(RANDOM_PROMPTS, got.token_ids):
+        want = wedlm_reference(model, prompt, window_size=1, max_tokens=12, stop_ids=model.config.stop_ids).tokens
+        assert ids == [t for t in want if t not in model.config.stop_ids]  # the loop's answers end before a stop
