@@ -1,8 +1,8 @@
 """The pre-norm transformer shared by every architecture (LLaDA, Dream, SDAR, LLaDA2, LLaDA-MoE, Fast-dLLM v2,
 Nemotron-Labs-Diffusion, WeDLM).
 
-All are Llama-shaped (RMSNorm, rotate-half RoPE, SwiGLU, untied head) run without a causal mask; they differ in
-q/k/v bias, GQA, per-head q/k norm, partial RoPE, YaRN RoPE and a per-position query scale, MoE feed-forward
+All are Llama-shaped (RMSNorm, rotate-half RoPE, SwiGLU, untied head), most run without a causal mask; they differ
+in q/k/v bias, GQA, per-head q/k norm, partial RoPE, YaRN RoPE and a per-position query scale, MoE feed-forward
 layers (`moe.py`), block-causal, causal-prefix or causal attention and Dream's AR-style logit shift (spec
 `models.md` sections 3-4, `block_diffusion_moe.md`, `new_families.md`, `wedlm.md`). The
 forward computes only the *active* canvas rows chosen by the cache policy, lets the cache supply keys and
