@@ -271,6 +271,12 @@ def block_diffusion_loss(model, prompts, lengths, answers, generator, eps: float
     return (ce * weight).sum() / (denominator or answers.numel())
 
 
+def length_groups(need: torch.Tensor, chunks: int) -> list[torch.Tensor]:
+    """The rows of a batch in at most `chunks` groups of similar `need` `[B]` (the canvas each row needs)."""
+    order = need.argsort(stable=True)
+    return [g for g in order.tensor_split(min(chunks, len(order))) if len(g)]
+
+
 def chunked_block_diffusion_loss(model, prompts, lengths, answers, generator, chunks: int = 4,
                                  eps: float = 1e-3) -> torch.Tensor:
     """`block_diffusion_loss` of a batch run as `chunks` forwards of rows of similar answer length, each
@@ -281,8 +287,7 @@ def chunked_block_diffusion_loss(model, prompts, lengths, answers, generator, ch
     size = model.config.block_size
     need = (answers != model.config.filler_id).sum(1)  # answer and end of turn
     need = ((lengths + need + size - 1) // size * size - lengths).clamp(max=answers.shape[1])
-    order = need.argsort(stable=True)
-    groups = [g for g in order.tensor_split(min(chunks, len(order))) if len(g)]
+    groups = length_groups(need, chunks)
     widths = [int(need[g].max()) for g in groups]
     total = sum(len(g) * w for g, w in zip(groups, widths))
     return sum(block_diffusion_loss(model, prompts[g], lengths[g], answers[g, :w], generator, eps, total)
@@ -350,20 +355,30 @@ def wedlm_inputs(cfg: ModelConfig, prompts, lengths, answers, generator, block_s
                 logit_rows=torch.cat((noisy_rows, clean_rows), 1), masked=masked, gamma=gamma)
 
 
-def wedlm_loss(model, prompts, lengths, answers, generator, block_size: int, ar_weight: float = 1.0
-               ) -> torch.Tensor:
+def wedlm_loss(model, prompts, lengths, answers, generator, block_size: int, ar_weight: float = 1.0,
+               chunks: int = 1) -> torch.Tensor:
     """(L_mlm + ar_weight L_ar) / (1 + ar_weight), the authors' default weight 1: L_mlm the CE of each masked token
-    at its own noisy row, a mean weighted 1/gamma of its block; L_ar the mean next-token CE of the clean answer."""
-    x = wedlm_inputs(model.config, prompts, lengths, answers, generator, block_size)
+    at its own noisy row, a mean weighted 1/gamma of its block; L_ar the mean next-token CE of the clean answer.
+
+    The batch runs as `chunks` forwards of rows of similar answer length (`length_groups`), each canvas cut
+    `block_size - 1` positions after its longest answer's end of turn (a window no wider than the training block
+    never reaches further before the end of turn is committed); the means are the whole batch's."""
     device = model.device
-    logits = model.run(x["tokens"].to(device), x["positions"].to(device), x["key_mask"].to(device),
-                       logit_rows=x["logit_rows"].to(device))
-    n = answers.shape[1]
-    ce = F.cross_entropy(logits.float().flatten(0, 1), answers.repeat(1, 2).to(device).flatten(),
-                         reduction="none").view(len(answers), 2 * n)
-    weight = (x["masked"] / x["gamma"]).to(device)
-    mlm = (ce[:, :n] * weight).sum() / weight.sum().clamp(min=1)  # 0 when no token is masked
-    return (mlm + ar_weight * ce[:, n:].mean()) / (1 + ar_weight)
+    need = ((answers != model.config.filler_id).sum(1) + block_size - 1).clamp(max=answers.shape[1])
+    weighted, weights, ar, ar_count = 0.0, 0.0, 0.0, 0
+    for g in length_groups(need, chunks):
+        part = answers[g, :int(need[g].max())]
+        x = wedlm_inputs(model.config, prompts[g], lengths[g], part, generator, block_size)
+        logits = model.run(x["tokens"].to(device), x["positions"].to(device), x["key_mask"].to(device),
+                           logit_rows=x["logit_rows"].to(device))
+        n = part.shape[1]
+        ce = F.cross_entropy(logits.float().flatten(0, 1), part.repeat(1, 2).to(device).flatten(),
+                             reduction="none").view(len(g), 2 * n)
+        weight = (x["masked"] / x["gamma"]).to(device)
+        weighted, weights = weighted + (ce[:, :n] * weight).sum(), weights + weight.sum()
+        ar, ar_count = ar + ce[:, n:].sum(), ar_count + ce[:, n:].numel()
+    mlm = weighted / max(float(weights), 1.0)  # 0 when no token is masked
+    return (mlm + ar_weight * ar / ar_count) / (1 + ar_weight)
 
 
 @torch.no_grad()
@@ -460,7 +475,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--self-conditioning", type=float, default=0.5,
                     help="DiffusionGemma: the share of steps that condition on a first no-grad pass")
     ap.add_argument("--chunks", type=int, default=4,
-                    help="SDAR: forwards per batch, rows grouped by answer length (less padding)")
+                    help="SDAR, WeDLM: forwards per batch, rows grouped by answer length (less padding)")
     ap.add_argument("--block-length", type=int, default=None,
                     help="blocks used by the periodic evaluation (default 32; SDAR: its --block-size)")
     ap.add_argument("--train-per-family", type=int, default=100_000)
@@ -532,7 +547,8 @@ def main(argv: list[str] | None = None) -> None:
             if args.arch == "sdar":  # block diffusion, the canvas cut per chunk (`chunked_block_diffusion_loss`)
                 loss = chunked_block_diffusion_loss(model, prompts[idx], lengths[idx], answers[idx], g, args.chunks)
             elif args.arch == "wedlm":
-                loss = wedlm_loss(model, prompts[idx], lengths[idx], answers[idx, :width], g, args.block_size)
+                loss = wedlm_loss(model, prompts[idx], lengths[idx], answers[idx, :width], g, args.block_size,
+                                  chunks=args.chunks)
             elif args.arch == "dgemma":  # the whole canvas: a uniform-state model decodes all of it
                 self_condition = bool(torch.rand((), generator=g) < args.self_conditioning)
                 loss = uniform_noise_loss(model, prompts[idx], lengths[idx], answers[idx, :args.canvas_length], g,
