@@ -218,6 +218,15 @@ def block_diffusion_mask(blocks: torch.Tensor, noisy: torch.Tensor, real: torch.
     return see[:, None]
 
 
+def left_padded(prompts, lengths, answers) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The left-padded prompts cut to the longest one `[B, P]`, and of [prompt | answer] which columns are real (not
+    padding) and their RoPE positions, counted from each row's first prompt token, `[B, P + A]`."""
+    width = int(lengths.max())
+    real = torch.cat((torch.arange(width)[None] >= (width - lengths)[:, None],
+                      torch.ones_like(answers, dtype=torch.bool)), 1)
+    return prompts[:, -width:], real, (real.long().cumsum(1) - 1).clamp(min=0)
+
+
 def block_diffusion_inputs(cfg: ModelConfig, prompts, lengths, answers, generator, eps: float = 1e-3) -> dict:
     """One forward's inputs for the block-diffusion loss (BD3-LM / SDAR training), laid out as the engine
     decodes a block-causal model: every row's RoPE positions count from its first prompt token, the answer
@@ -237,11 +246,8 @@ def block_diffusion_inputs(cfg: ModelConfig, prompts, lengths, answers, generato
         raise ValueError("the block-diffusion loss needs position-aligned logits (logit_shift 0)")
     batch = prompts.shape[0]
     size = cfg.block_size
-    width = int(lengths.max())
-    prompts = prompts[:, -width:]
-    real = torch.cat((torch.arange(width)[None] >= (width - lengths)[:, None],
-                      torch.ones_like(answers, dtype=torch.bool)), 1)
-    positions = (real.long().cumsum(1) - 1).clamp(min=0)
+    prompts, real, positions = left_padded(prompts, lengths, answers)
+    width = prompts.shape[1]
     blocks = positions // size
     t_block = eps + (1 - eps) * torch.rand(batch, int(blocks.max()) + 1, generator=generator)
     t = t_block.gather(1, blocks[:, width:])
@@ -328,11 +334,8 @@ def wedlm_inputs(cfg: ModelConfig, prompts, lengths, answers, generator, block_s
     if cfg.logit_shift:
         raise ValueError("WeDLM's loss needs position-aligned logits (logit_shift 0)")
     batch, n_answer = answers.shape
-    width = int(lengths.max())
-    prompts = prompts[:, -width:]
-    real = torch.cat((torch.arange(width)[None] >= (width - lengths)[:, None],
-                      torch.ones_like(answers, dtype=torch.bool)), 1)
-    positions = (real.long().cumsum(1) - 1).clamp(min=0)
+    prompts, real, positions = left_padded(prompts, lengths, answers)
+    width = prompts.shape[1]
     blocks = positions // block_size
     gamma = torch.rand(batch, int(blocks.max()) + 1, generator=generator).clamp(min=1e-8).gather(1, blocks[:, width:])
     same = blocks[:, width:, None] == blocks[:, None, width:]  # answer tokens of one block
