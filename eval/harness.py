@@ -27,6 +27,7 @@ from dllm.engine import generate
 from dllm.engine.checks import check_policies
 from dllm.engine.options import settle
 from dllm.engine.text import encode_prompts
+from dllm.engine.trace import trace_lines
 from dllm.samplers import Daedal
 
 from .tasks import Item, get_task
@@ -42,14 +43,15 @@ def evaluate(model, tokenizer, task: str, sampler: str | Any = None, cache: str 
              data: str | Path | None = None, num_fewshot: int | None = None, gold: bool = False,
              compile: bool = False, unsafe_exec: bool = False, cfg_scale: float = 0.0, logits_eos_inf: bool = False,
              confidence_eos_eot_inf: bool = False, recipe: str | None = None,
-             length_args: dict | None = None) -> dict[str, Any]:
+             length_args: dict | None = None, trace: str | Path | None = None) -> dict[str, Any]:
     """Decode every item of `task` (or, with `gold`, take its reference solutions), score it and write
     `output/results.jsonl` and `output/summary.json`. Returns the summary. Code tasks run each program in an
     isolated sandbox (`sandbox`), or with `unsafe_exec` in a plain guarded process. The sampler, cache and
     lengths default to the model's (`settle`); `cfg_scale`, `logits_eos_inf`, `confidence_eos_eot_inf` are
     LLaDA's generation options; `recipe` names the recipe the run follows (kept in the configuration).
     gen_length "auto" (`length_args`, or a `samplers.Daedal`): each answer chooses its length (DAEDAL); every run
-    records each answer's canvas and its effective tokens (not EOS), summed into `effective_token_ratio`."""
+    records each answer's canvas and its effective tokens (not EOS), summed into `effective_token_ratio`. `trace`: a
+    file that gets each batch this run decodes as a trace (`dllm.engine.trace`), its rows named by the items' ids."""
     from accelerate import PartialState
 
     spec = get_task(task)
@@ -88,6 +90,12 @@ def evaluate(model, tokenizer, task: str, sampler: str | Any = None, cache: str 
     if world > 1 and output is None:
         raise DllmError("a data-parallel evaluation needs --output DIR to collect the records of every process")
     out_dir = Path(output) if output else None
+    if trace is not None:
+        if gold:
+            raise DllmError("--trace records decodes and --gold decodes nothing; drop one")
+        if state.is_main_process:
+            Path(trace).write_text("")  # this run's decodes only
+        state.wait_for_everyone()
     records: dict[str, dict] = {}
     if out_dir:
         _check_config(out_dir, config)
@@ -115,7 +123,7 @@ def evaluate(model, tokenizer, task: str, sampler: str | Any = None, cache: str 
                 texts, lengths, stats = [it.gold for it in batch], [(0, 0, 0)] * len(batch), None
             else:
                 texts, lengths, stats = _decode_batch(model, tokenizer, batch, sampler, cache, gen_length,
-                                                      block_length, steps, seed, chat, compile, guidance)
+                                                      block_length, steps, seed, chat, compile, guidance, trace)
             missing = [(i, it) for i, it in enumerate(batch) if stale(it, batch)]
             scores = scorer.map(lambda pair: score_text(pair[1], texts[pair[0]]), missing)
             for (i, it), score in zip(missing, scores):
@@ -162,11 +170,14 @@ def _check_context(model, tokenizer, items: list[Item], chat: bool, gen_length: 
 
 
 def _decode_batch(model, tokenizer, batch: list[Item], sampler, cache, gen_length, block_length, steps, seed,
-                  chat, compile, guidance: dict) -> tuple[list[str], list[int], Any]:
+                  chat, compile, guidance: dict, trace: str | Path | None) -> tuple[list[str], list[int], Any]:
     """Generated texts, their token counts (up to the first stop token; then the answer canvas's tokens and those
-    of them that are not EOS, the effective tokens of DAEDAL's metrics) and the batch statistics."""
+    of them that are not EOS, the effective tokens of DAEDAL's metrics) and the batch statistics; the batch's trace
+    appended to `trace`."""
     out = generate(model, tokenizer, [it.prompt for it in batch], sampler, cache, gen_length, block_length, steps,
-                   seed, chat, compile=compile, **guidance)
+                   seed, chat, compile=compile, trace=trace is not None, **guidance)
+    if trace is not None:
+        _append_text(Path(trace), trace_lines(out, model.config.mask_id, [it.id for it in batch]))
     eos = model.config.filler_id
     counts = [(len(ids), len(canvas), sum(t != eos for t in canvas)) for ids, canvas in zip(out.token_ids,
                                                                                           out.canvas_ids)]
@@ -201,9 +212,14 @@ def _read_records(path: Path) -> dict[str, dict]:
 
 def _append(path: Path, record: dict) -> None:
     """Append one line with a single write, so that processes sharing the file never interleave lines."""
+    _append_text(path, json.dumps(record) + "\n")
+
+
+def _append_text(path: Path, text: str) -> None:
+    """Append `text` with a single write (lines of processes sharing the file never interleave)."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.write(fd, (json.dumps(record) + "\n").encode())
+        os.write(fd, text.encode())
     finally:
         os.close(fd)
 

@@ -8,7 +8,7 @@ import sys
 
 from ..core.checks import check_output_dir
 from ..core.errors import DllmError
-from .flags import flag_policies, load_model, settings_from
+from .flags import check_writable_file, flag_policies, load_model, settings_from
 
 
 def eval_command(args) -> int:
@@ -17,6 +17,10 @@ def eval_command(args) -> int:
 
     if args.output:
         check_output_dir(args.output)
+    if args.trace is not None:
+        check_writable_file(args.trace, "--trace")
+        if args.sweep:
+            raise DllmError("--trace keeps the steps of one configuration; drop --sweep or run each point alone")
     try:
         return _run_eval(args)
     except KeyboardInterrupt:
@@ -45,7 +49,7 @@ def _run_eval(args) -> int:
     if args.gold:
         if args.sweep:
             raise DllmError("--gold scores the references without a model; drop --sweep")
-        summary = evaluate(None, None, args.task, output=args.output, gold=True, **data_args)
+        summary = evaluate(None, None, args.task, output=args.output, gold=True, trace=args.trace, **data_args)
     else:
         policies = flag_policies(args)  # bad flags fail before the model loads
         device = f"cuda:{state.local_process_index}" if args.device == "cuda" else args.device  # one GPU each
@@ -67,7 +71,7 @@ def _run_eval(args) -> int:
                 print(json.dumps(result) if args.json else table(result), end="")
             return 0
         summary = evaluate(model, tok, args.task, settings.sampler, settings.cache, output=args.output,
-                           **decode_args)
+                           trace=args.trace, **decode_args)
     if not state.is_main_process:
         return 0
     if args.json:
