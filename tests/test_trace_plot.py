@@ -56,7 +56,6 @@ def test_wino_trace_shows_take_backs(tmp_path, tiny_llada):
 
 def test_eval_trace_names_examples_and_plot_writes_a_png(tmp_path, monkeypatch, capsys):
     """`dllm eval --trace` keeps each example's row under its id; `dllm trace plot a b` draws both side by side."""
-    pytest.importorskip("matplotlib")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     for name, sampler in (("a", "low_confidence"), ("b", "threshold")):
         assert main(["eval", "--task", "synthetic", "--limit", "3", "--batch-size", "2", "--sampler", sampler,
@@ -67,6 +66,7 @@ def test_eval_trace_names_examples_and_plot_writes_a_png(tmp_path, monkeypatch, 
     assert [len(d["rows"]) for d in decodes] == [2, 1]  # a decode per batch
     a, b = read_trace(tmp_path / "a.jsonl"), read_trace(tmp_path / "b.jsonl")
     assert [r.id for r in a] == [r.id for r in b] and len({r.id for r in a}) == 3  # the same examples
+    pytest.importorskip("matplotlib")
     assert main(["trace", "plot", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"), "-o",
                  str(tmp_path / "order.png")]) == 0
     assert (tmp_path / "order.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -78,3 +78,11 @@ def test_plot_refuses_a_file_without_a_decode_line(tmp_path, capsys):
     assert "starts without a decode line" in capsys.readouterr().err
     assert main(["trace", "plot", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "o.png")]) == 2
     assert "cannot read trace" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_says_how_to_get_it(tmp_path, capsys, monkeypatch, tiny_llada):
+    traced(tmp_path, *tiny_llada, "lc", sampler="low_confidence", gen_length=32, block_length=16)
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # import matplotlib raises ImportError
+    assert main(["trace", "plot", str(tmp_path / "lc.jsonl"), "-o", str(tmp_path / "o.png")]) == 2
+    assert capsys.readouterr().err == "error: dllm trace plot draws with matplotlib; pip install 'dllm-fast[plot]'\n"
+    assert not (tmp_path / "o.png").exists()
