@@ -70,6 +70,8 @@ def test_eval_trace_names_examples_and_plot_writes_a_png(tmp_path, monkeypatch, 
     assert main(["trace", "plot", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"), "-o",
                  str(tmp_path / "order.png")]) == 0
     assert (tmp_path / "order.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["trace", "plot", str(tmp_path / "a.jsonl"), "-o", str(tmp_path / "order.xyz")]) == 2
+    assert "Format 'xyz' is not supported" in capsys.readouterr().err
 
 
 def test_plot_refuses_a_file_without_a_decode_line(tmp_path, capsys):

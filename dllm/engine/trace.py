@@ -138,5 +138,9 @@ def plot_orders(columns: list[list[RowOrder]], names: list[str], path: str | Pat
             label = f"{name}, row {r}" if row.id is None else f"{name}, {row.id}"
             ax.set_title(f"{label}\n{row.title}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=110)
+    except ValueError as e:  # a format matplotlib does not write
+        raise DllmError(f"cannot write {path}: {e}; name a .png, .svg or .pdf file") from None
+    finally:
+        plt.close(fig)
