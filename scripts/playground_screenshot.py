@@ -111,7 +111,8 @@ def main() -> None:
     flags = {"sampler": None, "cache": None, "sampler_args": {}, "cache_args": {}, "gen_length": None,
              "block_length": None, "steps": None, "seed": 0}
     defaults = served_defaults(dllm.load(args.model, weights=False)[0], flags)
-    with LocalServer(EngineClient.spawn(EngineSpec(args.model), defaults)) as local, Playground(local.url + "/") as page:
+    with LocalServer(EngineClient.spawn(EngineSpec(args.model), defaults)) as local, \
+            Playground(local.url + "/") as page:
         page.send(args.prompt, args.sampler, delay_ms=args.delay_ms, **dict(f.split("=", 1) for f in args.field))
         page.screenshot_at(args.at_step, args.output)
         time.sleep(0.1)
