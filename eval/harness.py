@@ -51,7 +51,8 @@ def evaluate(model, tokenizer, task: str, sampler: str | Any = None, cache: str 
     LLaDA's generation options; `recipe` names the recipe the run follows (kept in the configuration).
     gen_length "auto" (`length_args`, or a `samplers.Daedal`): each answer chooses its length (DAEDAL); every run
     records each answer's canvas and its effective tokens (not EOS), summed into `effective_token_ratio`. `trace`: a
-    file that gets each batch this run decodes as a trace (`dllm.engine.trace`), its rows named by the items' ids."""
+    file each batch this run decodes is appended to as a trace (`dllm.engine.trace`), its rows named by the items'
+    ids."""
     from accelerate import PartialState
 
     spec = get_task(task)
@@ -90,12 +91,6 @@ def evaluate(model, tokenizer, task: str, sampler: str | Any = None, cache: str 
     if world > 1 and output is None:
         raise DllmError("a data-parallel evaluation needs --output DIR to collect the records of every process")
     out_dir = Path(output) if output else None
-    if trace is not None:
-        if gold:
-            raise DllmError("--trace records decodes and --gold decodes nothing; drop one")
-        if state.is_main_process:
-            Path(trace).write_text("")  # this run's decodes only
-        state.wait_for_everyone()
     records: dict[str, dict] = {}
     if out_dir:
         _check_config(out_dir, config)

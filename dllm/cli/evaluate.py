@@ -5,6 +5,7 @@ import json
 import os
 import shlex
 import sys
+from pathlib import Path
 
 from ..core.checks import check_output_dir
 from ..core.errors import DllmError
@@ -44,12 +45,18 @@ def _run_eval(args) -> int:
         raise DllmError("dllm eval --tensor-parallel starts its ranks itself, and accelerate launch or torchrun "
                         "runs it data-parallel; run it as one plain process")
     state = PartialState(cpu=args.device == "cpu")  # data-parallel over CPU processes too (gloo)
+    if args.trace is not None:
+        if args.gold:
+            raise DllmError("--trace records decodes and --gold decodes nothing; drop one")
+        if state.is_main_process:
+            Path(args.trace).write_text("")  # this run's decodes, appended batch by batch by every process
+        state.wait_for_everyone()
     data_args = dict(limit=args.limit, batch_size=args.batch_size, data=args.data, num_fewshot=args.num_fewshot,
                      unsafe_exec=args.unsafe_exec)
     if args.gold:
         if args.sweep:
             raise DllmError("--gold scores the references without a model; drop --sweep")
-        summary = evaluate(None, None, args.task, output=args.output, gold=True, trace=args.trace, **data_args)
+        summary = evaluate(None, None, args.task, output=args.output, gold=True, **data_args)
     else:
         policies = flag_policies(args)  # bad flags fail before the model loads
         device = f"cuda:{state.local_process_index}" if args.device == "cuda" else args.device  # one GPU each
