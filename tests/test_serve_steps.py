@@ -14,8 +14,8 @@ pytest.importorskip("uvicorn")
 import dllm  # noqa: E402
 from dllm import cache as caches  # noqa: E402
 from dllm import samplers  # noqa: E402
-from dllm.serve import EngineClient, EngineSpec, LocalServer, post  # noqa: E402
-from dllm.serve.requests import served_defaults  # noqa: E402
+from dllm.serve import Engine, EngineClient, EngineSpec, LocalServer, post  # noqa: E402
+from dllm.serve.requests import RequestReader, served_defaults  # noqa: E402
 
 DEFAULTS = {"sampler": None, "cache": None, "sampler_args": {}, "cache_args": {}, "gen_length": None,
             "block_length": None, "steps": None, "seed": 0}  # `dllm serve`'s own: the model's sampler and cache
@@ -86,6 +86,27 @@ def test_wino_takes_tokens_back_and_commits_them_again(llada_server, tiny_llada)
     assert taken
     assert all(any(e["step"] > step and any(c[0] == p for c in e["committed"]) for e in steps) for step, p in taken)
     assert replay(steps, 32) == alone.canvas_ids[0]
+
+
+def test_only_rows_that_asked_get_events_and_they_leave_between_steps(tiny_llada):
+    """Two rows of one batch, one asking: every event is its, each taken at the step that made it (the engine
+    process sends them from `poll`), all before the block's deltas."""
+    model, tok = tiny_llada
+    reader, engine = RequestReader(model, tok, "tiny-llada", served_defaults(model, DEFAULTS)), Engine(model, tok)
+    jobs = [reader.job({"messages": [{"role": "user", "content": p}], "gen_length": 32, "block_length": 16,
+                        "stream": True, "step_events": asks}, chat=True)
+            for p, asks in (("reverse: abc12", True), ("copy: k3x9a", False))]
+    for job in jobs:
+        engine.add(job.message())
+    engine._admit()
+    assert [len(group.tasks) for group in engine.groups] == [2]  # one batch
+    taken: list[list] = []
+    engine.poll = lambda: taken.append(engine.take_steps())
+    engine.step()
+    assert all(len(events) <= 1 for events in taken) and sum(map(len, taken)) > 1
+    assert {e.req_id for events in taken for e in events} == {jobs[0].id}
+    assert [e.step for events in taken for e in events] == [i + 1 for i, events in enumerate(taken) if events]
+    assert engine.take_steps() == [] and engine.take()  # the block's deltas come after
 
 
 def test_the_default_stream_has_no_step_events_and_asking_needs_a_stream(llada_server):
