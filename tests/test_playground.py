@@ -64,6 +64,20 @@ def test_wino_shows_tokens_taken_back(page):
     assert status == 200 and shown["answer"] == answer["choices"][0]["message"]["content"]
 
 
+def test_llada_options_from_the_page_reach_the_server(page):
+    """The page's cfg_scale and confidence_eos_eot_inf fields are sent: each with a sampler or cache that refuses it
+    shows the server's reason."""
+    page.element("confidence_eos_eot_inf").click()
+    page.send("reverse: abc12", "entropy")
+    status, answer = completion(page.url, "reverse: abc12", sampler="entropy", confidence_eos_eot_inf=True)
+    assert status == 400 and page.finished()["error"] == answer["error"]["message"]
+    page.element("confidence_eos_eot_inf").click()
+    page.send("reverse: abc12", "low_confidence", "elastic", cfg_scale=1.5)
+    status, answer = completion(page.url, "reverse: abc12", sampler="low_confidence", cache="elastic", cfg_scale=1.5)
+    assert status == 400 and page.finished()["error"] == answer["error"]["message"]
+    assert "cfg_scale" in answer["error"]["message"]
+
+
 def test_a_refused_parameter_shows_the_servers_error(page):
     page.send("reverse: abc12", "threshold", threshold="high")
     shown = page.finished()
