@@ -27,6 +27,7 @@ from dllm.engine import generate
 from dllm.engine.checks import check_policies
 from dllm.engine.options import settle
 from dllm.engine.text import check_plain_text, encode_prompts, encode_text
+from dllm.engine.trace import trace_lines
 from dllm.samplers import Daedal
 
 from .tasks import SUITES, Item, get_task
@@ -42,15 +43,16 @@ def evaluate(model, tokenizer, task: str, sampler: str | Any = None, cache: str 
              data: str | Path | None = None, num_fewshot: int | None = None, gold: bool = False,
              compile: bool = False, unsafe_exec: bool = False, cfg_scale: float = 0.0, logits_eos_inf: bool = False,
              confidence_eos_eot_inf: bool = False, recipe: str | None = None,
-             length_args: dict | None = None) -> dict[str, Any]:
+             length_args: dict | None = None, trace: str | Path | None = None) -> dict[str, Any]:
     """Decode every item of `task` (or, with `gold`, take its reference solutions), score it and write
     `output/results.jsonl` and `output/summary.json`. Returns the summary. Code tasks run each program in an
     isolated sandbox (`sandbox`), or with `unsafe_exec` in a plain guarded process. The sampler, cache and
     lengths default to the model's (`settle`); `cfg_scale`, `logits_eos_inf`, `confidence_eos_eot_inf` are
     LLaDA's generation options; `recipe` names the recipe the run follows (kept in the configuration).
     gen_length "auto" (`length_args`, or a `samplers.Daedal`): each answer chooses its length (DAEDAL); every run
-    records each answer's canvas and its effective tokens (not EOS), summed into `effective_token_ratio`.
-    A suite (`tasks.SUITES`) evaluates each of its tasks into `output/<task>/` (`evaluate_suite`)."""
+    records each answer's canvas and its effective tokens (not EOS), summed into `effective_token_ratio`. `trace`: a
+    file each batch this run decodes is appended to as a trace (`dllm.engine.trace`), its rows named by the items'
+    ids. A suite (`tasks.SUITES`) evaluates each of its tasks into `output/<task>/` (`evaluate_suite`)."""
     from accelerate import PartialState
 
     if task in SUITES:
@@ -59,7 +61,7 @@ def evaluate(model, tokenizer, task: str, sampler: str | Any = None, cache: str 
                               cache_args=cache_args, model_name=model_name, data=data, num_fewshot=num_fewshot,
                               gold=gold, compile=compile, unsafe_exec=unsafe_exec, cfg_scale=cfg_scale,
                               logits_eos_inf=logits_eos_inf, confidence_eos_eot_inf=confidence_eos_eot_inf,
-                              recipe=recipe, length_args=length_args)
+                              recipe=recipe, length_args=length_args, trace=trace)
     spec = get_task(task)
     score_text = spec.scorer(unsafe_exec)  # fails before any work when code cannot run isolated
     check_int("batch_size", batch_size, 1)
@@ -129,7 +131,7 @@ def evaluate(model, tokenizer, task: str, sampler: str | Any = None, cache: str 
             else:
                 texts, lengths, stats = _decode_batch(model, tokenizer, batch, sampler, cache, gen_length,
                                                       block_length, steps, seed, chat, compile, guidance,
-                                                      spec.stop_early)
+                                                      spec.stop_early, trace)
             missing = [(i, it) for i, it in enumerate(batch) if stale(it, batch)]
             scores = scorer.map(lambda pair: score_text(pair[1], texts[pair[0]]), missing)
             for (i, it), score in zip(missing, scores):
@@ -229,11 +231,15 @@ def prompts(tokenizer, items: list[Item], chat: bool) -> list[str | list[int]]:
 
 
 def _decode_batch(model, tokenizer, batch: list[Item], sampler, cache, gen_length, block_length, steps, seed,
-                  chat, compile, guidance: dict, stop_early: bool = True) -> tuple[list[str], list[int], Any]:
+                  chat, compile, guidance: dict, stop_early: bool, trace: str | Path | None
+                  ) -> tuple[list[str], list[int], Any]:
     """Generated texts, their token counts (up to the first stop token; then the answer canvas's tokens and those
-    of them that are not EOS, the effective tokens of DAEDAL's metrics) and the batch statistics."""
+    of them that are not EOS, the effective tokens of DAEDAL's metrics) and the batch statistics; the batch's trace
+    appended to `trace`."""
     out = generate(model, tokenizer, prompts(tokenizer, batch, chat), sampler, cache, gen_length, block_length, steps,
-                   seed, chat, stop_early=stop_early, compile=compile, **guidance)
+                   seed, chat, stop_early=stop_early, compile=compile, trace=trace is not None, **guidance)
+    if trace is not None:
+        _append_text(Path(trace), trace_lines(out, model.config.mask_id, [it.id for it in batch]))
     eos = model.config.filler_id
     counts = [(len(ids), len(canvas), sum(t != eos for t in canvas)) for ids, canvas in zip(out.token_ids,
                                                                                           out.canvas_ids)]
@@ -273,9 +279,14 @@ def _read_records(path: Path) -> dict[str, dict]:
 
 def _append(path: Path, record: dict) -> None:
     """Append one line with a single write, so that processes sharing the file never interleave lines."""
+    _append_text(path, json.dumps(record) + "\n")
+
+
+def _append_text(path: Path, text: str) -> None:
+    """Append `text` with a single write (lines of processes sharing the file never interleave)."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.write(fd, (json.dumps(record) + "\n").encode())
+        os.write(fd, text.encode())
     finally:
         os.close(fd)
 

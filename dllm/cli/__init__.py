@@ -12,6 +12,7 @@ from .decode import bench_command, chat_command, generate_command, list_command,
 from .evaluate import eval_command
 from .flags import DEFAULT_MODEL, add_decoding_flags, add_load_flags, add_parallel_flag, add_prefix_cache_flag
 from .serving import bench_serve_command, serve_command
+from .trace import trace_plot_command
 
 
 class _Parser(argparse.ArgumentParser):
@@ -29,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_decoding_flags(g)
     add_parallel_flag(g)
     g.add_argument("--json", action="store_true", help="print outputs and statistics as JSON")
-    g.add_argument("--trace", metavar="FILE", help="write a JSON line per step (commits, confidences, gaps)")
+    g.add_argument("--trace", metavar="FILE", help="write a JSON line per step (commits, confidences, gaps) after "
+                   "one naming the decode (`dllm trace plot` draws it)")
     g.add_argument("--explain", action="store_true",
                    help="print every setting, its value and where it came from (flag, the model's "
                         "generation_config.json, its family's authors, dllm), and decode nothing")
@@ -60,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--sweep", action="append", default=[], metavar="KEY=VALUE[,...]",
                    help="a configuration to add to a sweep, e.g. sampler=threshold,threshold=0.9 (repeat)")
     e.add_argument("--json", action="store_true", help="print the summary as JSON")
+    e.add_argument("--trace", metavar="FILE", help="write each decoded batch's steps, its rows named by the "
+                   "examples' ids (`dllm trace plot` draws them)")
     e.add_argument("--unsafe-exec", action="store_true",
                    help="run generated code without the bubblewrap sandbox (a plain guarded process: contains "
                         "mistakes, not hostile code); only where bwrap cannot be installed")
@@ -123,6 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("what", choices=("samplers", "caches", "models", "recipes"))
     ls.add_argument("--json", action="store_true")
     ls.set_defaults(run=list_command)
+    tr = sub.add_parser("trace", help="what a --trace file shows").add_subparsers(dest="trace_command", required=True,
+                                                                              parser_class=_Parser)
+    tp = tr.add_parser("plot", help="the decoding order: each answer position against the step that committed it "
+                                    "(and took it back), a column per file (pip install 'dllm-fast[plot]')")
+    tp.add_argument("traces", nargs="+", metavar="TRACE", help="files written by generate --trace or eval --trace")
+    tp.add_argument("-o", "--output", required=True, help="the figure (.png, .svg, .pdf)")
+    tp.add_argument("--rows", type=int, default=4, help="panels per file: its first N rows (default 4)")
+    tp.set_defaults(run=trace_plot_command)
     return ap
 
 

@@ -11,6 +11,7 @@ from dllm import samplers as samplers_mod
 from ..core.checks import check_output_dir, check_seed
 from ..core.errors import DllmError
 from ..engine.text import check_plain_text
+from ..engine.trace import trace_lines
 from .flags import (
     check_writable_file,
     decoding_keywords,
@@ -60,7 +61,7 @@ def generate_command(args) -> int:
                             trace=args.trace is not None, compile=args.compile,
                             callback=lambda info: bar.update(info["committed"]))
     if args.trace:
-        write_atomically(args.trace, "".join(json.dumps(record) + "\n" for record in out.trace))
+        write_atomically(args.trace, trace_lines(out, model.config.mask_id))
     stats = out.stats.as_dict()
     if args.json:
         print(json.dumps({"outputs": [{"text": t, "token_ids": ids} for t, ids in zip(out.texts, out.token_ids)],

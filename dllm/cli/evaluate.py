@@ -5,10 +5,11 @@ import json
 import os
 import shlex
 import sys
+from pathlib import Path
 
 from ..core.checks import check_output_dir
 from ..core.errors import DllmError
-from .flags import flag_policies, load_model, settings_from
+from .flags import check_writable_file, flag_policies, load_model, settings_from
 
 
 def eval_command(args) -> int:
@@ -17,6 +18,10 @@ def eval_command(args) -> int:
 
     if args.output:
         check_output_dir(args.output)
+    if args.trace is not None:
+        check_writable_file(args.trace, "--trace")
+        if args.sweep:
+            raise DllmError("--trace keeps the steps of one configuration; drop --sweep or run each point alone")
     try:
         return _run_eval(args)
     except KeyboardInterrupt:
@@ -40,6 +45,12 @@ def _run_eval(args) -> int:
         raise DllmError("dllm eval --tensor-parallel starts its ranks itself, and accelerate launch or torchrun "
                         "runs it data-parallel; run it as one plain process")
     state = PartialState(cpu=args.device == "cpu")  # data-parallel over CPU processes too (gloo)
+    if args.trace is not None:
+        if args.gold:
+            raise DllmError("--trace records decodes and --gold decodes nothing; drop one")
+        if state.is_main_process:
+            Path(args.trace).write_text("")  # this run's decodes, appended batch by batch by every process
+        state.wait_for_everyone()
     data_args = dict(limit=args.limit, batch_size=args.batch_size, data=args.data, num_fewshot=args.num_fewshot,
                      unsafe_exec=args.unsafe_exec)
     if args.gold:
@@ -70,7 +81,7 @@ def _run_eval(args) -> int:
                 print(json.dumps(result) if args.json else table(result), end="")
             return 0
         summary = evaluate(model, tok, args.task, settings.sampler, settings.cache, output=args.output,
-                           **decode_args)
+                           trace=args.trace, **decode_args)
     if not state.is_main_process:
         return 0
     if args.json:

@@ -37,6 +37,8 @@ class Generation:
     settings: dict[str, Any] | None = None  # every setting and where it came from (`Settings.explain`)
     canvas_ids: list[list[int]] | None = None  # each row's whole answer canvas (gen_length tokens, or as gen_length
     # auto grew it), not cut at its first stop token
+    answer_spans: list[tuple[int, int]] | None = None  # each row's answer on the canvas [start, end): the positions a
+    # trace names
 
 
 def _prepare(model: DiffusionLM, tokenizer, prompts, sampler, cache, gen_length, block_length, steps, seed, chat,
@@ -104,13 +106,13 @@ def generate(model: DiffusionLM, tokenizer, prompts, sampler: str | Sampler | No
                     prefix_cache=prefix_cache, guidance=settings.guidance)
     canvas, stats = batch.canvas, batch.finish()
     cfg = model.config
-    canvases = [row[a:b] for row, a, b in zip(canvas.tokens.tolist(), canvas.gen_start.tolist(),
-                                              canvas.gen_end.tolist())]
+    spans = list(zip(canvas.gen_start.tolist(), canvas.gen_end.tolist()))
+    canvases = [row[a:b] for row, (a, b) in zip(canvas.tokens.tolist(), spans)]
     token_ids = [row[:next((i for i, t in enumerate(row) if t in cfg.stop_ids), len(row))] for row in canvases]
     return Generation([answer_text(tokenizer, ids) for ids in token_ids], token_ids, canvas.tokens, stats,
                       settings.sampler.config(), settings.cache.config(), batch.trace,
                       None if logprobs is None else [batch.logprobs(row) for row in batch.rows], settings.explain(),
-                      canvases)
+                      canvases, spans)
 
 
 class Stream:

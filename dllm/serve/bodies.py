@@ -80,6 +80,11 @@ class Decoding(_Strict):
     cfg_scale: float | None = _field("LLaDA's classifier-free guidance (0: none)")
     logits_eos_inf: bool | None = _field("LLaDA's: never propose EOS")
     confidence_eos_eot_inf: bool | None = _field("LLaDA's: commit EOS and EoT predictions last")
+    step_events: bool | None = _field('with stream: also an event after every decoding step, {"object": '
+                                      '"dllm.step", "step", "block", "forwards", "committed": [[position, id, '
+                                      'text], ...], "remasked": [position, ...], "drafts": [[position, id, text], '
+                                      '...]} (positions from the answer\'s first; drafts: a uniform-state model\'s '
+                                      'tokens not yet committed)')
 
 
 class CompletionRequest(Decoding):
@@ -106,7 +111,7 @@ EXPECTS = {  # what a field takes, in an error message (after "must be")
     "ignore_eos": "true or false", "sampler": "a sampler's name", "cache": "a cache's name",
     "sampler_args": "a JSON object of parameters", "cache_args": "a JSON object of parameters",
     "gen_length": "an integer", "block_length": "an integer", "steps": "an integer", "cfg_scale": "a number",
-    "logits_eos_inf": "true or false", "confidence_eos_eot_inf": "true or false",
+    "logits_eos_inf": "true or false", "confidence_eos_eot_inf": "true or false", "step_events": "true or false",
     "prompt": "a string (or a list of token ids)", "logprobs": "an integer", "top_logprobs": "an integer",
     "messages": 'a non-empty list of {"role": ..., "content": "text"} objects',
 }

@@ -23,7 +23,7 @@ from typing import Any, Callable
 from ..cache import CACHES, PrefixBlocks
 from ..core.errors import DllmError, DllmNotice
 from .engine_process import EngineSpec, serve
-from .messages import Abort, Delta, Exit, Outputs, Ready, Shutdown, Stats, encode, from_engine
+from .messages import Abort, Delta, Exit, Outputs, Ready, Shutdown, Stats, Steps, encode, from_engine
 from .metrics import Metrics
 from .requests import Job, RequestReader
 from .scheduler import Engine
@@ -192,6 +192,10 @@ class EngineClient:
         """Validate a request body into a Job (DllmError: the one-line reason)."""
         return self.reader.job(body, chat)
 
+    def decoding(self) -> dict[str, Any]:
+        """GET /decoding: the samplers, caches and defaults requests may choose from (`RequestReader.decoding`)."""
+        return self.reader.decoding()
+
     def check_defaults(self) -> None:
         """Fail now (DllmError) on defaults that would fail every request: they decode a one-token prompt; a
         prefix cache needs a model and a default cache that keep finished blocks."""
@@ -295,6 +299,11 @@ class EngineClient:
             self.metrics.engine(message.stats)
             for delta in message.deltas:
                 self._deliver(delta)
+        elif isinstance(message, Steps):
+            for event in message.events:
+                job = self.jobs.get(event.req_id)
+                if job is not None:
+                    job.events.put_nowait(job.step(self.tokenizer, event))
         elif isinstance(message, Exit):
             link.exit = message
             if message.error:

@@ -5,7 +5,8 @@ tokens and the engine's numbers.
 `dllm serve` starts it as its child (`EngineSpec.argv`: `main(SPEC, INBOX, OUTBOX, PARENT)`, SPEC the JSON of an
 `EngineSpec`, PARENT the HTTP process's pid); tests may run the same `serve` on a thread beside the HTTP side (`engine_client.EngineClient`). The
 loop: read the inbox (blocking up to a second while idle), run one block, send its outputs. The inbox is read
-again after every step, so an abort stops its row at the next step. It leaves on `Shutdown` (exit 0, after the
+again after every step, so an abort stops its row at the next step, and the step's events go out then (rows that
+asked for them). It leaves on `Shutdown` (exit 0, after the
 requests in flight finished or its timeout ended them with 503), when the HTTP process has gone (exit 0), or on an
 error, which it sends (`Exit` with the traceback) before it exits 1. SIGINT and SIGTERM are ignored: a terminal's
 Ctrl-C or a service manager's signal reaches the whole process group, and the HTTP process drains the engine."""
@@ -21,7 +22,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 from ..models.parallel import RankFailed
-from .messages import Abort, Add, Exit, Outputs, Ready, Shutdown, encode, to_engine
+from .messages import Abort, Add, Exit, Outputs, Ready, Shutdown, Steps, encode, to_engine
 from .scheduler import Engine
 
 IDLE_SECONDS = 1.0  # an idle engine sends its numbers, and checks that the HTTP process is there, this often
@@ -114,6 +115,9 @@ def _run(engine: Engine, pull, push, parent: int | None) -> str:
                 deadline.append(time.monotonic() + message.timeout)
 
     def between_steps() -> None:
+        events = engine.take_steps()  # the step's events, before the block's outputs
+        if events:
+            push.send(encode(Steps(events)))
         receive(0)
         if deadline and time.monotonic() >= deadline[0] and engine.tasks:
             engine.end_all(503, "the server shut down before the answer was complete")

@@ -6,6 +6,7 @@ import json
 import signal
 import threading
 import time
+from importlib import resources
 
 from ..core.errors import DllmError
 from .bodies import ChatRequest, CompletionRequest
@@ -20,7 +21,7 @@ def create_app(engine: EngineClient):
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
     @asynccontextmanager
     async def lifespan(app):
@@ -83,6 +84,16 @@ def create_app(engine: EngineClient):
     async def chat_completions(request: Request):
         return await answer(request, chat=True)
 
+    @app.get("/", include_in_schema=False)
+    async def playground():
+        return HTMLResponse(PLAYGROUND)
+
+    @app.get("/decoding")
+    async def decoding():
+        """The samplers and caches this server decodes with, their parameters and defaults (`dllm list --json`),
+        and the server's own decoding defaults."""
+        return Response(json.dumps(engine.decoding(), default=str), media_type="application/json")
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": engine.name, "object": "model", "created": 0, "owned_by": "dllm"}]}
@@ -119,6 +130,9 @@ def _openapi(app) -> dict:
     app.openapi_schema = schema
     return schema
 
+
+PLAYGROUND = (resources.files(__package__) / "static" / "playground.html").read_text()  # the page at /, which
+# decodes live over the server's own stream with step_events (same origin; nothing from another host)
 
 MAX_BODY_BYTES = 4 << 20  # far past any prompt a model's context holds
 
@@ -157,7 +171,9 @@ async def _next_event(engine: EngineClient, job: Job, request) -> dict | None:
 
 async def _sse(engine: EngineClient, job: Job, base: dict, chat: bool, request, logprobs: LogprobsFormat):
     """Server-sent events: a chunk per decoded block (with its tokens' logprobs when asked), then the finish reason
-    (and usage, and the logprobs of tokens whose text was not sent: a stop string's), then [DONE]."""
+    (and usage, and the logprobs of tokens whose text was not sent: a stop string's), then [DONE]. With
+    step_events, a `dllm.step` event after every decoding step that changed the answer's canvas, before its
+    block's chunk."""
     kind = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(text: str | None, reason: str | None, tokens: list | None, **extra) -> str:
@@ -173,7 +189,10 @@ async def _sse(engine: EngineClient, job: Job, base: dict, chat: bool, request, 
             event = await _next_event(engine, job, request)
             if event is None:
                 return
-            if event["kind"] == "delta":
+            if event["kind"] == "step":
+                step = {k: v for k, v in event.items() if k != "kind"}
+                yield f"data: {json.dumps({'id': base['id'], 'object': 'dllm.step', **step})}\n\n"
+            elif event["kind"] == "delta":
                 yield chunk(event["text"], None, event["logprobs"])
             elif event["kind"] == "error":
                 yield f"data: {json.dumps({'error': {'message': event['message'], 'code': event['status']}})}\n\n"

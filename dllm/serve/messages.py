@@ -4,8 +4,8 @@ positional fields, a tag naming the kind), one decoder per direction.
 To the engine (`ToEngine`): `Add`, a request validated by the HTTP process (its prompt ids and its decoding);
 `Abort`, requests whose client left or whose stop string ended them; `Shutdown`, finish or stop. From the engine
 (`FromEngine`): `Ready` once its model is loaded; `Outputs` after every block (each request's newly final tokens, a
-`Delta`, and the engine's counters, `Stats`) and every idle second; `Exit` as it stops (why, and a crash's
-traceback)."""
+`Delta`, and the engine's counters, `Stats`) and every idle second; `Steps` after a step, for requests that asked
+for step events; `Exit` as it stops (why, and a crash's traceback)."""
 from __future__ import annotations
 
 from typing import Any
@@ -34,6 +34,7 @@ class Add(_Message):
     max_tokens: int | None = None  # the answer is complete at this many tokens
     stop_early: bool = True  # False: decode every block (ignore_eos)
     logprobs: int | None = None  # alternatives per answer token with its log-probability (None: none asked)
+    step_events: bool = False  # send a `StepEvent` after every step that changed the answer's canvas
 
 
 class Abort(_Message):
@@ -61,6 +62,20 @@ class Delta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     finish_reason: str | None = None  # "stop" (a stop token) or "length"
     status: int = 0  # an error's HTTP status (400: the request cannot decode; 500: it failed; 503: shutting down)
     message: str = ""
+
+
+class StepEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What one decoding step did to a request's answer canvas (`Add.step_events`), positions counted from the
+    answer's first: tokens committed (or rewritten), positions re-masked (taken back), and on a uniform-state model
+    the new random or draft tokens of positions not yet committed."""
+
+    req_id: str
+    step: int  # the request's steps so far (1, 2, ...)
+    block: int  # the batch's block
+    forwards: int  # the batch's forwards since the request joined it
+    committed: list[tuple[int, int]] = []  # (position, token)
+    remasked: list[int] = []
+    drafts: list[tuple[int, int]] = []  # (position, token), uniform-state models
 
 
 class PrefixStats(msgspec.Struct, array_like=True, gc=False):
@@ -100,13 +115,19 @@ class Outputs(_Message):
     stats: Stats
 
 
+class Steps(_Message):
+    """The step events of the rows that asked, sent after each step (before the block's `Outputs`)."""
+
+    events: list[StepEvent]
+
+
 class Exit(_Message):
     reason: str  # "shutdown", "orphaned" (the HTTP process has gone) or "error"
     error: str = ""  # the traceback of an error
 
 
 ToEngine = Add | Abort | Shutdown
-FromEngine = Ready | Outputs | Exit
+FromEngine = Ready | Outputs | Steps | Exit
 
 encode = msgspec.msgpack.Encoder().encode
 to_engine = msgspec.msgpack.Decoder(ToEngine).decode

@@ -11,6 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..cache import CACHES
 from ..core.checks import check_int, check_seed
 from ..core.errors import DllmError
 from ..engine.canvas import Canvas
@@ -21,7 +22,7 @@ from ..engine.options import decoding_lengths, lengths_for_answer, settle
 from ..engine.text import answer_text, check_plain_text, encode_prompts, warn_outside_format
 from ..samplers import SAMPLERS
 from . import bodies
-from .messages import Add
+from .messages import Add, StepEvent
 
 OPENAI_FIELDS = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "seed", "stream",
                  "n", "stop", "user", "stream_options", "ignore_eos",  # ignore_eos as vLLM: decode every block
@@ -90,8 +91,10 @@ class Job:
     logprobs: int | None = None  # alternatives per answer token with its log-probability (None: none asked)
     logprobs_sent: int = 0  # answer tokens whose log-probabilities were sent
     guidance: Guidance = Guidance()
+    step_events: bool = False  # stream an event after every decoding step (`step`)
     events: asyncio.Queue | None = None  # what the HTTP handler reads: {"kind": "delta", "text", "logprobs"},
-    # {"kind": "done", "text", "finish_reason", "usage", "logprobs"} or {"kind": "error", "status", "message"}
+    # {"kind": "done", "text", "finish_reason", "usage", "logprobs"}, {"kind": "error", "status", "message"} or,
+    # with step_events, {"kind": "step", ...} (`step`)
     complete: bool = False  # the answer is complete (a stop string, or the engine's last block): the row can stop
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: float = field(default_factory=time.time)
@@ -105,7 +108,16 @@ class Job:
         """What the engine process decodes."""
         return Add(self.id, self.ids, self.lengths["gen_length"], self.lengths["block_length"], self.steps_per_block,
                    self.sampler.config(), self.cache.config(), self.guidance.config(), self.seed, self.max_tokens,
-                   self.stop_early, self.logprobs)
+                   self.stop_early, self.logprobs, self.step_events)
+
+    def step(self, tokenizer, event: StepEvent) -> dict:
+        """A step event for the stream: its step, block and forwards, and its positions with their tokens' ids and
+        texts (`committed`, `drafts`: `[position, id, text]`; `remasked`: positions)."""
+        def tokens(pairs):
+            return [[p, t, answer_text(tokenizer, [t])] for p, t in pairs]
+
+        return {"kind": "step", "step": event.step, "block": event.block, "forwards": event.forwards,
+                "committed": tokens(event.committed), "remasked": event.remasked, "drafts": tokens(event.drafts)}
 
     def read(self, tokenizer, ids: list[int], done: bool, reason: str, logprobs: list | None = None) -> list[dict]:
         """The events of a block: `ids`, the answer so far (decoded blocks, cut at max_tokens), becomes new text to
@@ -188,6 +200,19 @@ class RequestReader:
         self.model, self.tokenizer, self.name, self.defaults, self.compile = model, tokenizer, name, defaults, compile
         self.prepared = PreparedSamplers(tokenizer)
 
+    def decoding(self) -> dict[str, Any]:
+        """What a request may choose (GET /decoding): every sampler and cache with its parameters and defaults (as
+        `dllm list --json`), and the server's defaults with the lengths they settle to on this model."""
+        d = self.defaults
+        settings = settle(self.model, d["sampler"], d["cache"], {}, d["sampler_args"], d["cache_args"],
+                          **{k: d.get(k) for k in LAYOUT_FIELDS},
+                          **{k: d.get(k, off) for k, off in Guidance().config().items()})
+        defaults = {"sampler": d["sampler"], "cache": d["cache"], "sampler_args": d["sampler_args"],
+                    "cache_args": d["cache_args"], "seed": d["seed"], **settings.lengths,
+                    **settings.guidance.config()}
+        return {"model": self.name, "uniform_state": self.model.config.mask_id is None, "defaults": defaults,
+                "samplers": [cls.describe() for cls in SAMPLERS], "caches": [cls.describe() for cls in CACHES]}
+
     def job(self, body: Any, chat: bool) -> Job:
         """Validate a request body (parsed JSON) into a Job (DllmError: the one-line reason): its types against the
         endpoint's model (`bodies`), then what types cannot say."""
@@ -208,6 +233,8 @@ class RequestReader:
                 raise DllmError(f"{name} is not supported by sampler {sampler_name!r} (the sampler decides what to "
                                 f"commit); drop it or send {neutral}")
         stream, ignore_eos = bool(body.get("stream")), bool(body.get("ignore_eos"))
+        if body.get("step_events") and not stream:
+            raise DllmError("step_events streams an event per decoding step; send stream: true with it")
         stop = body.get("stop") or []
         stop = [stop] if isinstance(stop, str) else stop
         if not all(stop):
@@ -216,7 +243,7 @@ class RequestReader:
         ids = self._prompt_ids(body, chat)
         params = {k: v for k, v in body.items() if k not in OPENAI_FIELDS and k not in UNSUPPORTED
                   and k not in LAYOUT_FIELDS and k not in GUIDANCE_FIELDS
-                  and k not in ("sampler", "cache", "sampler_args", "cache_args")}
+                  and k not in ("sampler", "cache", "sampler_args", "cache_args", "step_events")}
         params.update({k: body[k] for k in ("temperature", *NEUTRAL) if body.get(k) is not None and k in takes})
         d = self.defaults
         same_sampler = body.get("sampler", d["sampler"]) == d["sampler"]
@@ -243,7 +270,8 @@ class RequestReader:
         block, gen = lengths["block_length"], lengths["gen_length"]
         steps_per_block = (lengths["steps"] or gen) // (gen // block)
         return Job(ids, lengths, max_tokens, seed, sampler, cache, stop, stream, chat, steps_per_block=steps_per_block,
-                   stop_early=not ignore_eos, logprobs=logprobs, guidance=guidance)
+                   stop_early=not ignore_eos, logprobs=logprobs, guidance=guidance,
+                   step_events=bool(body.get("step_events")))
 
     def _prompt_ids(self, body: dict, chat: bool) -> list[int]:
         tok = self.tokenizer

@@ -8,6 +8,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
+
 from ..cache import CACHES, PrefixBlocks
 from ..core.checks import check_int
 from ..core.errors import DllmError
@@ -15,7 +17,7 @@ from ..engine.guidance import Guidance
 from ..engine.loop import Batch, Row
 from ..models.parallel import RankFailed
 from ..samplers import SAMPLERS
-from .messages import Add, Delta, PrefixStats, Stats
+from .messages import Add, Delta, PrefixStats, Stats, StepEvent
 from .requests import PreparedSamplers
 
 
@@ -32,6 +34,9 @@ class Task:
     sent: int = 0  # answer tokens sent
     cancelled: bool = False  # aborted: its row stops at the next step
     delivered: bool = False  # its last delta has gone out (or it was cancelled): it leaves at the next block
+    steps: int = 0  # steps of its batch since it joined (step events)
+    forwards_before: int = 0  # its batch's forwards when it joined
+    shown: tuple[list[int], list[bool]] | None = None  # its answer's tokens and blanks as the last step event left them
 
 
 def batch_key(sampler, cache, add: Add, guidance: Guidance) -> tuple:
@@ -60,6 +65,19 @@ class Group:
         return self.batch.joins_between_blocks or not self.batch.block
 
 
+def _changes(task: Task, tokens: list[int], blank: list[bool], uniform: bool) -> tuple | None:
+    """What changed in `task`'s answer since its last step event (None: nothing): positions committed or rewritten
+    (with their tokens), re-masked, and on a uniform-state model (`uniform`) not yet committed but redrawn."""
+    before_tokens, before_blank = task.shown if task.shown is not None and len(task.shown[0]) == len(tokens) else \
+        ([None] * len(tokens), [True] * len(tokens))
+    task.shown = (tokens, blank)
+    changed = [p for p, (t, b) in enumerate(zip(tokens, blank)) if t != before_tokens[p] or b != before_blank[p]]
+    committed = [(p, tokens[p]) for p in changed if not blank[p]]
+    remasked = [p for p in changed if blank[p] and not before_blank[p]]
+    drafts = [(p, tokens[p]) for p in changed if blank[p]] if uniform else []
+    return (committed, remasked, drafts) if committed or remasked or drafts else None
+
+
 def _error(req_id: str, error: Exception) -> Delta:
     """The delta of a request that `error` ended: 400 with the one-line reason, or 500."""
     if isinstance(error, DllmError):
@@ -84,6 +102,7 @@ class Engine:
         self.tasks: dict[str, Task] = {}  # every task not yet delivered, by request id
         self.groups: list[Group] = []  # running batches, in the order they take blocks
         self.outputs: list[Delta] = []
+        self.step_events: list[StepEvent] = []  # since the last `take_steps`
         self.poll: Callable[[], None] = lambda: None  # called after every step
         self.closing = False  # shutting down: new requests are refused
         self.forwards = self.committed = self.rows_computed = self.steps = 0
@@ -133,6 +152,10 @@ class Engine:
 
     def take(self) -> list[Delta]:
         out, self.outputs = self.outputs, []
+        return out
+
+    def take_steps(self) -> list[StepEvent]:
+        out, self.step_events = self.step_events, []
         return out
 
     def _task(self, add: Add) -> Task:
@@ -193,6 +216,7 @@ class Engine:
             if not group.tasks:
                 self.groups.append(group)
             group.tasks[row] = task
+            task.forwards_before = group.batch.stats.nfe
             free -= 1
 
     def _group(self, task: Task) -> Group:
@@ -223,11 +247,35 @@ class Engine:
         """After every step: read the inbox (`poll`); an aborted request's row stops decoding (it leaves at the
         block's end)."""
         self.steps += 1
+        self._step_events(group)
         self.poll()
         for row, task in group.tasks.items():
             if task.cancelled and not task.delivered:
                 group.batch.cancel(row)
                 self._finish(task)
+
+    def _step_events(self, group: Group) -> None:
+        """The step's events of the rows that asked (`Add.step_events`): what changed in each answer since its last
+        event, read from the device in one copy of those rows only."""
+        batch, canvas = group.batch, group.batch.canvas
+        asked = [(i, task) for i, row in enumerate(batch.rows)
+                 if (task := group.tasks.get(row)) is not None and task.add.step_events and not task.delivered]
+        if not asked:
+            return
+        index = torch.tensor([i for i, _ in asked], device=canvas.tokens.device)
+        tokens = canvas.tokens[index]
+        blank = (canvas.uncommitted[index] if canvas.uncommitted is not None else tokens == canvas.mask_id)
+        spans = torch.stack([canvas.gen_start[index], canvas.gen_end[index]], 1)
+        width = tokens.shape[1]
+        for (_, task), row in zip(asked, torch.cat([tokens, blank.to(tokens.dtype), spans.to(tokens.dtype)],
+                                                   1).tolist()):
+            task.steps += 1
+            start, end = row[2 * width:]
+            event = _changes(task, row[start:end], [bool(b) for b in row[width + start:width + end]],
+                             uniform=canvas.mask_id is None)
+            if event is not None:
+                self.step_events.append(StepEvent(task.add.req_id, task.steps, batch.block,
+                                                  batch.stats.nfe - task.forwards_before, *event))
 
     def _block(self, group: Group) -> None:
         batch = group.batch
