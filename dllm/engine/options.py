@@ -168,7 +168,8 @@ def _lengths(model: DiffusionLM, gen_length, block_length, steps) -> tuple[dict[
     except DllmError as e:
         if not from_file:
             raise
-        raise DllmError(f"{e} ({' and '.join(from_file)} from the model's generation_config.json)") from None
+        given = ", ".join(f"{own.keys[name]} {own.values[name]}" for name in from_file)
+        raise DllmError(f"{e} (from the model's generation_config.json: {given})") from None
     if steps is None and "steps_per_block" in family:
         steps, sources["steps"] = family["steps_per_block"] * (gen_length // block_length), _family_source(model)
     sources.setdefault("steps", "gen_length: one token per step")
