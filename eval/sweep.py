@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dllm.core.errors import DllmError
-from dllm.engine import generate
+from dllm.engine import decode
 from dllm.engine.checks import check_policies
 from dllm.engine.options import decoding_lengths, default_cache, model_sampler, split_params
 
@@ -102,10 +102,12 @@ def run_sweep(model, tokenizer, task: str, points: list[str], output: str | Path
         s, c = split_params(point_sampler, point_cache, point, point_args, cache_args if point_cache == cache else None)
         check_policies(model, s, c, eval_args.get("compile", False))
         policies.append((spec, s, c, lengths))
-    # a warm-up decode, so that the first point's tokens/s does not pay for it
+    # a warm-up decode, so that the first point's tokens/s does not pay for it: the loop's own, since its one-token
+    # prompt is no user's (`generate` would note that it is outside the prompts the model was trained on)
     block = decoding_lengths(model, eval_args.get("gen_length"), eval_args.get("block_length"))["block_length"]
-    generate(model, tokenizer, [[model.config.filler_id]], policies[0][1], policies[0][2], gen_length=block,
-             block_length=block, chat=False, compile=eval_args.get("compile", False))
+    policies[0][1].prepare(tokenizer)
+    decode(model, [[model.config.filler_id]], policies[0][1], policies[0][2], block, block,
+           compile=eval_args.get("compile", False))
     axis = parallelism_axis(task)
     rows = []
     for spec, s, c, lengths in policies:

@@ -76,3 +76,17 @@ def test_an_interrupted_sweep_counts_the_records_of_its_points(tmp_path):
         (tmp_path / point).mkdir()
         (tmp_path / point / "results.jsonl").write_text("".join(json.dumps({"id": str(i)}) + "\n" for i in range(n)))
     assert (count_records(tmp_path), count_records(tmp_path, sweep=True)) == (0, 5)
+
+
+def test_a_sweep_notes_no_prompt_of_its_own(tmp_path):
+    """The sweep's warm-up decode is no user's prompt: a sweep of prompts in tiny-llada's formats notes nothing
+    (it said "'<|endoftext|>' ... is outside the prompts this model was trained on")."""
+    import warnings
+
+    from dllm.core.errors import DllmNotice
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        assert main(["eval", "--task", "synthetic", "--model", "tiny-llada", "--gen-length", "8", "--block-length", "8",
+                     "--limit", "2", "--batch-size", "2", "--output", str(tmp_path),
+                     "--sweep", "sampler=low_confidence"]) == 0
+    assert [str(w.message) for w in said if issubclass(w.category, DllmNotice)] == []

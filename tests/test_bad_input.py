@@ -273,10 +273,12 @@ def test_generation_config_of_the_model_directory_wins(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 12, "block_length": 8}))
     loaded, tok = dllm.load(str(tmp_path))  # a bad layout from the file: the file is named
     with pytest.raises(DllmError, match=r"gen_length \(12\) must be a multiple of block_length \(8\).*"
-                                        r"\(gen_length and block_length from the model's generation_config.json\)"):
+                                        r"\(from the model's generation_config.json: max_new_tokens 12, "
+                                        r"block_length 8\)"):
         dllm.generate(loaded, tok, ["hi"], chat=False)
     (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": "many"}))
-    with pytest.raises(DllmError, match="gen_length must be a positive integer, got 'many'; fix or delete it"):
+    with pytest.raises(DllmError, match=r"generation_config.json: max_new_tokens must be a positive integer, got "
+                                        r"'many'; fix or delete it"):  # the file's key, not ours (gen_length)
         dllm.load(str(tmp_path))
     (tmp_path / "generation_config.json").write_text(json.dumps({"multi_turn": "no"}))
     with pytest.raises(DllmError, match="multi_turn must be true or false, got 'no'; fix or delete it"):

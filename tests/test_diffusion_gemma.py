@@ -274,6 +274,10 @@ def test_defaults_come_from_generation_config(pair, tmp_path):
     (directory / "generation_config.json").write_text(json.dumps({"t_min": "cold"}))
     with pytest.raises(DllmError, match="t_min must be float, got 'cold' \\(from the model's generation_config"):
         dllm.generate(*dllm.load(str(directory)), ["hi"])
+    (directory / "generation_config.json").write_text(json.dumps({"stability_threshold": -1}))
+    with pytest.raises(DllmError, match=r"parameter stability=-1 is out of range; it must be >= 0 \(from the "
+                                        r"model's generation_config.json: stability_threshold -1\)$"):
+        dllm.generate(*dllm.load(str(directory)), ["hi"])  # the file's key, beside ours
 
 
 def test_the_cli_generates_and_benches(capsys):

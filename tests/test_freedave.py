@@ -3,10 +3,11 @@ adablock_selfspec.md part B): a plain transcription of `block_decode_with_full_a
 verified by batch expansion) and of its static reference `block_decode_with_full_attention`, run on our models and
 compared token for token and forward for forward with our decode, on the shipped tiny models."""
 import functools
+import re
 
 import pytest
 import torch
-from conftest import random_model
+from conftest import ROOT, random_model
 
 import dllm
 from dllm import cache as caches
@@ -292,3 +293,11 @@ def test_freedave_plus_plus_subset_rule_leaves_threshold_decoding():
     static = [static_tokens("tiny-dream", tuple(p), "none", 0.5) for p in prompts]
     assert [freedave_generate(model, p, 16, 8, 4, "none", 0.5)[0] for p in prompts] != static
     assert [freedave_generate(model, p, 16, 8, 4, "none", 0.5, equal=True)[0] for p in prompts] == static
+
+
+def test_results_say_whose_rule_speculative_is_where_its_rows_are():
+    """RESULTS.md names FreeDave in every section with a `speculative` row, as `dllm list samplers` does."""
+    assert "FreeDave" in samplers.SAMPLERS.get("speculative").describe()["doc"]
+    sections = (ROOT / "RESULTS.md").read_text().split("\n## ")
+    with_rows = [s for s in sections if re.search(r"^\| [^|\n]*\bspeculative\b", s, re.M)]
+    assert len(with_rows) == 2 and all("FreeDave" in s for s in with_rows)

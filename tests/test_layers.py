@@ -13,7 +13,7 @@ LAYERS = [  # (layer, module prefixes): one folder each
     ("models", ("dllm.models",)),
     ("samplers", ("dllm.samplers",)),
     ("cache", ("dllm.cache",)),
-    ("engine", ("dllm.engine", "dllm.likelihood")),  # dllm.likelihood: engine.likelihood under its old public name
+    ("engine", ("dllm.engine",)),
     ("eval", ("dllm.eval",)),
     ("serve", ("dllm.serve",)),
     ("cli", ("dllm.cli",)),
@@ -79,10 +79,9 @@ def test_importing_the_core_leaves_the_engine_unloaded():
 
 
 def test_the_tree_holds_only_layer_folders_and_the_command_line():
-    """dllm/ reads bottom to top as the layers: a module outside the layer folders would sit in no layer (but for
-    `likelihood`, the public name of `engine.likelihood` from before the rooms split, in the engine's layer)."""
+    """dllm/ reads bottom to top as the layers: a module outside the layer folders would sit in no layer."""
     top = sorted(info.name for info in pkgutil.iter_modules(dllm.__path__))
-    assert top == ["cli", "core", "engine", "likelihood", "models", "serve"]
+    assert top == ["cli", "core", "engine", "models", "serve"]
 
 
 def test_an_upward_import_is_caught(tmp_path):

@@ -230,16 +230,17 @@ def test_a_cuda_default_without_a_gpu_falls_back_to_the_cpu_with_a_notice(monkey
     assert err.getvalue() == "note: device 'cuda' asked for but no GPU is available; running on the CPU\n"
 
 
-def test_dllm_likelihood_is_still_the_public_name():
-    """`dllm.likelihood`, the name from before the rooms split (#33), is the engine's likelihood module: imported by
-    name, or as an attribute of a fresh `import dllm`."""
-    import subprocess
-    import sys
+def test_dllm_likelihood_scores_an_answer_after_a_prompt(tiny_llada):
+    """`dllm.likelihood(model, tok, prompt, answer)`, the call users reach for (it was a module: "not callable"), is
+    `elbo` of the prompt as `generate` encodes it and of the answer's tokens as they are."""
+    from dllm.engine.text import encode_prompts
 
-    import dllm.engine.likelihood
-    import dllm.likelihood
-    from dllm.likelihood import elbo as public_elbo
-
-    assert dllm.likelihood is dllm.engine.likelihood and public_elbo is elbo
-    code = "import dllm; print(dllm.likelihood.elbo is __import__('dllm.engine.likelihood').engine.likelihood.elbo)"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "True\n"
+    model, tok = tiny_llada
+    prompt_ids = encode_prompts(tok, ["reverse: abc12"], None)[0]
+    answer_ids = tok("#### 21cba", add_special_tokens=False)["input_ids"]
+    score = dllm.likelihood(model, tok, "reverse: abc12", "#### 21cba", mc_num=16, seed=3)
+    assert score == elbo(model, prompt_ids, answer_ids, mc_num=16, seed=3)
+    assert dllm.likelihood(model, tok, prompt_ids, answer_ids, mc_num=16, seed=3) == score  # token ids as well
+    assert dllm.likelihood(model, tok, "reverse: abc12", "#### abc12", mc_num=16) < score - 10
+    with pytest.raises(DllmError, match="the continuation is empty"):
+        dllm.likelihood(model, tok, "reverse: abc12", "")

@@ -1,5 +1,6 @@
 """README's examples give the right answers: every `dllm generate` / `dllm chat` line of its shell blocks and its
-first Python block run here, and each answer is checked against the synthetic suite's solution."""
+first Python block run here, and each answer is checked against the synthetic suite's solution (the block's
+`dllm.likelihood` must rank the right answer first)."""
 import contextlib
 import io
 import json
@@ -78,6 +79,8 @@ def test_python_example_answers_right(capsys):
     out = scope["out"]
     prompts = re.search(r"generate\(model, tok, (\[.*?\])", code, re.S)[1]
     assert [extract_answer(t) for t in out.texts] == [solve(p) for p in eval(prompts)]
+    scores = scope["scores"]  # dllm.likelihood: the right answer is the likeliest
+    assert max(scores, key=scores.get) == f"#### {solve('reverse: abc12')}" and len(scores) == 2
     streamed = scope["stream"].generation.texts[0]
     assert extract_answer(streamed) == solve(re.search(r"stream\(model, tok, (\".*?\")", code)[1].strip('"'))
     assert streamed in printed.getvalue()

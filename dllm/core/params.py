@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.metadata
 import math
 import types
 import typing
+import warnings
 from typing import Any, ClassVar
 
 from .checks import choose_from
-from .errors import DllmError
+from .errors import DllmError, DllmNotice
 
 
 def param(default: Any, doc: str, *, ge: float | None = None, le: float | None = None, gt: float | None = None,
@@ -124,23 +126,50 @@ class Params:
 
 
 class Registry:
-    """Name -> policy class, with creation from keyword arguments that reports every mistake in one line."""
+    """Name -> policy class, with creation from keyword arguments that reports every mistake in one line.
+
+    Installed packages add to it through entry points of the group `dllm.<kind>s` (`dllm.samplers`, `dllm.caches`),
+    each `name = "module:Class"`, registered under its name the first time the registry is read (not when it is
+    made: a plugin imports the package that makes it). A plugin that fails to load is a one-line `DllmNotice`."""
 
     def __init__(self, kind: str, base: type[Params]):
         self.kind, self.base = kind, base
-        self.classes: dict[str, type[Params]] = {}
+        self.group = f"dllm.{kind}s"
+        self._classes: dict[str, type[Params]] = {}
+        self._plugins_read = False
+
+    @property
+    def classes(self) -> dict[str, type[Params]]:
+        """Every registered class by name, the installed plugins' included."""
+        if not self._plugins_read:
+            self._plugins_read = True
+            self._read_plugins()
+        return self._classes
+
+    @classes.setter
+    def classes(self, classes: dict[str, type[Params]]) -> None:
+        self._classes = classes
+
+    def _read_plugins(self) -> None:
+        for entry in importlib.metadata.entry_points(group=self.group):
+            try:
+                self.register(entry.name)(entry.load())
+            except Exception as e:  # whatever a broken plugin raises, dllm goes on without it
+                package = f"package {entry.dist.name}" if entry.dist is not None else "an installed package"
+                warnings.warn(f"{self.kind} {entry.name!r} of {package} ({self.group}: {entry.value}) is not "
+                              f"loaded: {type(e).__name__}: {' '.join(str(e).split())}", DllmNotice, stacklevel=2)
 
     def register(self, name: str):
         def add(cls: type[Params]) -> type[Params]:
             if not (isinstance(cls, type) and issubclass(cls, self.base)):
                 raise DllmError(f"{self.kind} {name!r}: register a dataclass subclass of {self.base.__name__}, "
                                 f"got {cls!r}")
-            known = self.classes.get(name)
+            known = self._classes.get(name)
             if known is not None and known is not cls and \
                     (known.__module__, known.__qualname__) != (cls.__module__, cls.__qualname__):  # a re-run cell
                 raise DllmError(f"{self.kind} {name!r} is already registered; pick another name")
             cls.name, cls.kind = name, self.kind
-            self.classes[name] = cls
+            self._classes[name] = cls
             return cls
         return add
 

@@ -1,5 +1,6 @@
 """The public calls: `generate` (a batch of prompts to answers) and `stream` (one prompt's answer block by block),
-both over the one loop; every bad input fails before any work."""
+both over the one loop, and `likelihood` (an answer's log-likelihood after a prompt); every bad input fails before
+any work."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,11 +14,12 @@ from ..models import DiffusionLM
 from ..samplers import Daedal
 from .canvas import Canvas
 from .checks import check_lengths
+from .likelihood import elbo
 from .logprobs import TokenLogprob, check_logprobs
 from .loop import Batch, Row, decoded
 from .options import settle
 from .stats import Stats
-from .text import answer_text, encode_prompts, is_token_id, warn_outside_format
+from .text import answer_text, encode_prompts, encode_text, is_token_id, warn_outside_format
 
 if TYPE_CHECKING:
     from ..cache import Cache, PrefixBlocks
@@ -173,3 +175,17 @@ def stream(model: DiffusionLM, tokenizer, prompt, sampler: str | Sampler | None 
                   length=lengths["gen_length"] if auto else None)
     return Stream(tokenizer, batch, batch.add(ids[0], lengths["gen_length"], seed[0] if isinstance(seed, list)
                                               else seed, logprobs=logprobs), settings.explain())
+
+
+def likelihood(model: DiffusionLM, tokenizer, prompt, answer, chat: bool | None = None, mc_num: int = 128,
+               batch_size: int = 32, cfg_scale: float = 0.0, seed: int = 0, convention: str | None = None) -> float:
+    """log p(answer | prompt) in nats, as a diffusion model gives it: the Monte Carlo estimate of its lower bound
+    (`dllm.engine.likelihood.elbo`: LLaDA's estimator, Dream's on a Dream model; `mc_num` draws, the spread
+    shrinking as 1 / sqrt(mc_num); the same for the same `seed`). `prompt` as `generate` takes it (a string,
+    wrapped in the chat template unless `chat=False`, or token ids); `answer` a string (its tokens as they are) or
+    a list of token ids. Higher is likelier, so it ranks candidate answers:
+
+        {a: dllm.likelihood(model, tok, "reverse: abc12", a) for a in ("#### 21cba", "#### abc12")}"""
+    prefix = encode_prompts(tokenizer, [prompt], chat)[0]
+    target = encode_text(tokenizer, answer, "the answer") if isinstance(answer, str) else answer
+    return elbo(model, prefix, target, mc_num, batch_size, cfg_scale, seed, convention)

@@ -100,8 +100,10 @@ def _model_sampler(model: DiffusionLM, sampler, sampler_args):
             notes[key] = f"not used: sampler {sampler!r} takes no {name}"
     try:
         samplers_mod.SAMPLERS.create(sampler, **args)
-    except DllmError as e:
-        raise DllmError(f"{e} (from the model's generation_config.json)") from None
+    except DllmError as e:  # named as the file names them (DiffusionGemma's stability_threshold is our stability)
+        given = ", ".join(f"{own.keys[f'sampler.{name}']} {value!r}" for name, value in own.sampler_args.items()
+                          if name in takes)
+        raise DllmError(f"{e} (from the model's generation_config.json: {given})") from None
     sources.update({f"sampler.{name}": "caller" for name in sampler_args or {}})
     return sampler, {**args, **(sampler_args or {})}, sources, notes
 
@@ -168,7 +170,8 @@ def _lengths(model: DiffusionLM, gen_length, block_length, steps) -> tuple[dict[
     except DllmError as e:
         if not from_file:
             raise
-        raise DllmError(f"{e} ({' and '.join(from_file)} from the model's generation_config.json)") from None
+        given = ", ".join(f"{own.keys[name]} {own.values[name]!r}" for name in from_file)
+        raise DllmError(f"{e} (from the model's generation_config.json: {given})") from None
     if steps is None and "steps_per_block" in family:
         steps, sources["steps"] = family["steps_per_block"] * (gen_length // block_length), _family_source(model)
     sources.setdefault("steps", "gen_length: one token per step")

@@ -81,8 +81,7 @@ def read_generation_config(hf: dict, family: ModuleType, file: Path) -> Generati
                 out.notes[key] = "null: unset"
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise DllmError(f"{file}: {LENGTH_KEYS[key]} must be a positive integer, got {value!r}; fix or "
-                                f"delete it")
+                raise bad(key, "a positive integer")
             take(key, LENGTH_KEYS[key], value, f"{LENGTH_KEYS[key]} = {value}")
         elif key == "multi_turn":
             if not isinstance(value, bool):

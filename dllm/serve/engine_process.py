@@ -18,9 +18,11 @@ import signal
 import sys
 import time
 import traceback
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Callable
 
+from ..core.errors import DllmNotice
 from ..models.parallel import RankFailed
 from .messages import Abort, Add, Exit, Outputs, Ready, Shutdown, Steps, encode, to_engine
 from .scheduler import Engine
@@ -140,6 +142,7 @@ def _run(engine: Engine, pull, push, parent: int | None) -> str:
 def main(argv: list[str]) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
+    warnings.simplefilter("ignore", DllmNotice)  # the HTTP side, reading the same registries, has said them
     spec, inbox, outbox, parent = EngineSpec(**json.loads(argv[0])), argv[1], argv[2], int(argv[3])
     return serve(spec.engine, inbox, outbox, parent)  # (the parent's pid as it started us: it may be gone already)
 
