@@ -106,12 +106,15 @@ class Canvas:
                                    uncommitted=None if self.uncommitted is None else self.uncommitted[index],
                                    given_up=None if self.given_up is None else self.given_up[index])
 
-    def finish_rows(self, finished: Tensor, cfg) -> Tensor:
+    def finish_rows(self, finished: Tensor, cfg, final_before: int | None = None) -> Tensor:
         """Mark rows whose answer is complete (its first committed stop token comes before its first position not
-        yet committed) and write the filler into their uncommitted positions. Returns the updated `finished`."""
+        yet committed, and before `final_before`, the first column whose committed tokens may still change) and write
+        the filler into their uncommitted positions. Returns the updated `finished`."""
         tokens, length = self.tokens, self.tokens.shape[1]
         column = torch.arange(length, device=tokens.device)
         stops = torch.isin(tokens, self.stop_ids) & self.answer
+        if final_before is not None:
+            stops &= column < final_before
         if self.uncommitted is not None:  # a random token of a live canvas ends nothing
             stops &= ~self.uncommitted
         first_stop = torch.where(stops, column, length).amin(1)

@@ -310,6 +310,8 @@ class Batch:
                 self._expand(ctx, out, commit)
             open_now = self._open_rows_checked(ctx, out, checks)  # the step's one wait for the device
             step += 1
+        if self.stop_early and self.sampler.edits:  # the block's tokens are final now
+            self._set_finished(self.canvas.finish_rows(self.finished, self.model.config))
         if self.prefix is not None:
             self._keep_final_blocks()
         self.start, self.block, self._saved = end, self.block + 1, False
@@ -537,8 +539,9 @@ class Batch:
             given_up = None if out.given_up is None else out.given_up & ctx.eligible & ~commit
             self.trace.append(trace_step(self.block, ctx.step, rows_per_layer, ctx.positions, commit, out,
                                          full_logits(ctx.logits), edited, given_up))
-        if self.stop_early:
-            self._set_finished(self.canvas.finish_rows(self.finished, self.model.config))
+        if self.stop_early:  # a sampler that edits may still change the block's tokens before a stop in it
+            final_before = ctx.block_start if self.sampler.edits else None
+            self._set_finished(self.canvas.finish_rows(self.finished, self.model.config, final_before))
         if self.callback is not None:
             self.callback({"block": self.block, "step": ctx.step, "committed": int(commit.sum())})
 
