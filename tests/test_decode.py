@@ -230,7 +230,7 @@ GSM8K_LIKE = ["reverse: abc12", "sort: 42,07,19,03", "add: 0457+0168", "copy: k3
 def test_a_sampler_that_edits_stops_early_with_the_answer_decoded_to_the_end(tiny_llada, name):
     """Stopping early never ends a row while a token before its stop may still be edited (issue 52 item 1): the
     answers equal those decoded to the end (WINO's GSM8K setting: gen 128, block 64, thresholds 0.6 / 0.9)."""
-    from dllm.engine.loop import decoded
+    from dllm.engine.decoding import decoded
     from dllm.engine.text import encode_prompts
 
     model, tok = tiny_llada

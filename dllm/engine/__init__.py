@@ -7,7 +7,9 @@ sampler's commits, counted in `stats`; `api` (`generate`, `stream`) returns the 
 `likelihood` (the ELBO of a continuation) and `bench` (`dllm bench`).
 """
 from .api import Generation, Stream, generate, stream
-from .loop import Batch, decode
+from .decoding import decode
+from .loop import Batch
+from .options import LoopOptions
 from .stats import Stats
 
-__all__ = ["Batch", "Generation", "Stats", "Stream", "decode", "generate", "stream"]
+__all__ = ["Batch", "Generation", "LoopOptions", "Stats", "Stream", "decode", "generate", "stream"]
