@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from functools import partial
 from types import SimpleNamespace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import Tensor
@@ -217,7 +217,7 @@ class Batch:
             committed += added
             self._after_step(ctx, out, commit, counted)
             start, end = self.layout.after_commit(self, ctx, out, commit)
-            open_now = self._open_rows_checked(ctx, out, checks)  # the step's one wait for the device
+            open_now = self._open_rows_checked(ctx, out, checks, (start, end))  # the step's one wait for the device
             step += 1
         if self.options.stop_early:  # the block's tokens are final now
             self.layout.finish(self, start, block_over=True)
@@ -370,16 +370,15 @@ class Batch:
         if self.options.callback is not None:
             self.options.callback({"block": self.block, "step": ctx.step, "committed": int(commit.sum())})
 
-    def _open_rows_checked(self, ctx: samplers_mod.StepContext, out: samplers_mod.Commit,
-                           checks: list[Tensor]) -> list[bool]:
-        """The rows still open in the block, read with the step's checks in one wait for the device; a sampler
-        that stalled or committed other tokens than its verified draft is an error."""
+    def _open_rows_checked(self, ctx: samplers_mod.StepContext, out: samplers_mod.Commit, checks: list[Tensor],
+                           columns: tuple[int, int]) -> list[bool]:
+        """The rows still open in the next step's `columns`, read with the step's checks in one wait for the device; a
+        sampler that stalled or committed other tokens than its verified draft is an error."""
         watched = self._watch()
-        flags = torch.cat([self._open_rows(ctx.block_start, ctx.block_end, out.again),
-                           torch.stack([*checks, *watched])]).tolist()
+        flags = torch.cat([self._open_rows(*columns, out.again), torch.stack([*checks, *watched])]).tolist()
         batch, ours = len(self.rows), len(flags) - len(watched)
         open_now, (stalled, *diverged) = flags[:batch], flags[batch:ours]
-        open_now = self._watched(flags[ours:], ctx, out, open_now)
+        open_now = self._watched(flags[ours:], ctx, lambda: self._open_rows(*columns, out.again).tolist(), open_now)
         if stalled:
             raise DllmError(f"sampler {self.sampler.name!r} committed nothing for an unfinished row at block "
                             f"{self.block} step {ctx.step}; a sampler must commit at least one position per row")
@@ -392,8 +391,8 @@ class Batch:
         """Device flags read with the step's one wait, for a batch that checks more at each step (`Lockstep`)."""
         return []
 
-    def _watched(self, flags: list, ctx: samplers_mod.StepContext, out: samplers_mod.Commit,
+    def _watched(self, flags: list, ctx: samplers_mod.StepContext, open_rows: Callable[[], list[bool]],
                  open_now: list[bool]) -> list[bool]:
-        """What `_watch`'s flags say, once read: the rows still open in the block."""
+        """What `_watch`'s flags say, once read: the rows still open (`open_rows()` reads them again)."""
         return open_now
 
