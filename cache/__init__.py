@@ -3,15 +3,9 @@ values come from. Every policy stores K/V after RoPE in one full-length store (s
 section 2) and counts the rows it computed per layer, so cost is counted, never estimated."""
 from __future__ import annotations
 
-from dllm.core.params import Registry
-
-from .base import Cache, KVStore, PassThrough, PlanContext, gather_rows, row_slots, zeros
-
-CACHES = Registry("cache", Cache)
-register = CACHES.register
-
-from . import blockwise, dkv, elastic, d2cache, dllm_cache  # noqa: E402,F401,I001  (registers the built-in caches)
-from .prefix_blocks import PrefixBlocks  # noqa: E402
+from .base import CACHES, Cache, KVStore, PassThrough, PlanContext, gather_rows, register, row_slots, zeros
+from . import blockwise, dkv, elastic, d2cache, dllm_cache  # noqa: F401,I001  (registers the built-in caches)
+from .prefix_blocks import PrefixBlocks
 
 __all__ = ["CACHES", "Cache", "KVStore", "PassThrough", "PlanContext", "PrefixBlocks", "gather_rows", "register",
            "row_slots", "zeros"]

@@ -7,7 +7,7 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch import Tensor
 
-from dllm.core.params import Params
+from dllm.core.params import Params, Registry
 from dllm.models.transformer import Rows
 
 
@@ -250,3 +250,7 @@ class Cache(Params):
         """Rows to compute at `step` (0 = first step) of the block `[start, end)` of a canvas of `length`;
         `shift` = 1 for AR-shifted models, whose position i is scored by the hidden state of row i-1."""
         raise NotImplementedError
+
+
+CACHES = Registry("cache", Cache)  # the caches by name
+register = CACHES.register

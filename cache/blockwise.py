@@ -16,8 +16,7 @@ from typing import ClassVar
 from dllm.core.params import param
 from dllm.models import Rows
 
-from . import register
-from .base import Cache, KVStore, PlanContext, zeros
+from .base import Cache, KVStore, PlanContext, register, zeros
 
 
 @register("none")

@@ -36,8 +36,7 @@ from dllm.models.sharded_logits import ShardedLogits, set_column
 from dllm.models.sharding import head_mean
 from dllm.models.transformer import Rows, canvas_index, head
 
-from . import register
-from .base import Cache, KVStore, index_rows, write_rows, zeros
+from .base import Cache, KVStore, index_rows, register, write_rows, zeros
 
 
 @register("d2cache")

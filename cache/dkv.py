@@ -20,8 +20,7 @@ from torch import Tensor
 from dllm.core.params import param
 from dllm.models.transformer import Rows
 
-from . import register
-from .base import Cache, index_rows, predicting_rows
+from .base import Cache, index_rows, predicting_rows, register
 
 DECODE_REFRESH = {"llada": 8, "dream": 4}  # paper Tables 1-3 (LLaDA-8B-Instruct / Dream-Base-7B)
 

@@ -25,8 +25,7 @@ from dllm.core.params import param
 from dllm.models.sharding import cosine
 from dllm.models.transformer import Rows
 
-from . import register
-from .base import Cache, KVStore, zeros
+from .base import Cache, KVStore, register, zeros
 
 
 @register("dllm_cache")

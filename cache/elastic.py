@@ -24,8 +24,7 @@ from dllm.core.params import param
 from dllm.models.sharding import Shard, cosine, ranks_sum
 from dllm.models.transformer import Rows, attention_probabilities
 
-from . import register
-from .base import Cache, KVStore, index_rows, predicting_rows, row_slots, write_rows, zeros
+from .base import Cache, KVStore, index_rows, predicting_rows, register, row_slots, write_rows, zeros
 
 WINDOW = {"llada": 16, "dream": 32}  # beta of the authors' eval scripts
 

@@ -4,16 +4,11 @@ Every sampler is a small dataclass registered by name with one signature, `step(
 (k-diffusion style). Add your own with `@samplers.register("name")` on a `Sampler` subclass."""
 from __future__ import annotations
 
-from dllm.core.params import Registry
-
-from .base import Commit, ExtraRows, Sampler, StepContext, stack_rows
+from .base import SAMPLERS, Commit, ExtraRows, Sampler, StepContext, register, stack_rows
 from .daedal import Daedal
 
-SAMPLERS = Registry("sampler", Sampler)
-register = SAMPLERS.register
-
 # registers the built-in samplers, in order
-from . import (llada, fastdllm, dream, credit, localleap, prophet, adablock, hierarchy, speculative,  # noqa: E402,F401,I001
+from . import (llada, fastdllm, dream, credit, localleap, prophet, adablock, hierarchy, speculative,  # noqa: F401,I001
                block_diffusion, indel, entropy_bound, eb_sampler, dus, klass, pc_sampler, wino,
                certainty_prior)
 

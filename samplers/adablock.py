@@ -10,8 +10,7 @@ from torch import Tensor
 from dllm.core.errors import DllmError
 from dllm.core.params import param
 
-from . import register
-from .base import Commit, Sampler, StepContext, gumbel_argmax, row_values, token_probability
+from .base import Commit, Sampler, StepContext, gumbel_argmax, register, row_values, token_probability
 from .fastdllm import threshold_commit
 
 DELIMITER_THRESHOLD = {"llada": 0.3, "dream": 0.5}  # AdaBlock's tau_D per model family

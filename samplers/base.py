@@ -16,7 +16,7 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch import Tensor
 
-from dllm.core.params import Params, is_numeric, param, type_hints
+from dllm.core.params import Params, Registry, is_numeric, param, type_hints
 from dllm.models.sharded_logits import ShardedLogits
 
 
@@ -194,6 +194,10 @@ class Sampler(Params):
         starts). An earlier start makes the first block overlap the prompt's tail, whose tokens stay as they are
         (dInfer's absolute block alignment); a block-causal model's own attention blocks take precedence."""
         return prompt_length
+
+
+SAMPLERS = Registry("sampler", Sampler)  # the samplers by name
+register = SAMPLERS.register
 
 
 def stack_rows(samplers: list[Sampler]) -> Sampler:

@@ -8,8 +8,7 @@ import torch
 
 from dllm.core.params import param
 
-from . import register
-from .base import (CausalFirst, Commit, Sampler, StepContext, entropy_bounded, gumbel_argmax, per_row, quota,
+from .base import (CausalFirst, Commit, Sampler, StepContext, entropy_bounded, gumbel_argmax, per_row, quota, register,
                    tempered, token_entropy, token_probability, top_k_per_row)
 from .fastdllm import threshold_commit
 

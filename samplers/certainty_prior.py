@@ -16,9 +16,8 @@ from typing import ClassVar
 from dllm.core.density import certainty_density
 from dllm.core.params import param
 
-from . import register
-from .base import (Commit, Sampler, StepContext, each_value, gumbel_argmax, quota, tempered, token_probability,
-                   top_k_per_row)
+from .base import (Commit, Sampler, StepContext, each_value, gumbel_argmax, quota, register, tempered,
+                   token_probability, top_k_per_row)
 from .fastdllm import threshold_commit
 
 

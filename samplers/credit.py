@@ -8,8 +8,7 @@ from torch import Tensor
 
 from dllm.core.params import param
 
-from . import register
-from .base import Commit, Sampler, StepContext, each_value, gumbel_argmax, per_row, token_probability
+from .base import Commit, Sampler, StepContext, each_value, gumbel_argmax, per_row, register, token_probability
 
 
 def near_best_or_threshold(confidence: Tensor, eligible: Tensor, threshold) -> Tensor:

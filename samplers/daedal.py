@@ -1,8 +1,8 @@
 """DAEDAL, answers that pick their own length (Li et al., ICLR 2026, arXiv 2508.00819; the authors' code is
 Li-Jinsong/DAEDAL `models/LLaDA_DAEDAL.py::generate`; spec `strategies_2026.md` section 10): `gen_length="auto"`.
 
-Not a sampler: a length policy the loop (`dllm.engine.loop.Batch`) applies around any sampler that can decode a
-growing canvas (`Sampler.canvas_may_grow`). Its paper decodes with `threshold` 0.9 (their fill rule: the masks of
+Not a sampler: a length policy, the canvas layout `dllm.engine.layouts.GrowingCanvas`, applied around any sampler
+that can decode a growing canvas (`Sampler.canvas_may_grow`). Its paper decodes with `threshold` 0.9 (their fill rule: the masks of
 the block above 0.9, else the most confident one), the sampler `gen_length="auto"` takes when none is named.
 
 - The EOS confidence of a row: scanning its answer canvas from the end, the probabilities of EOS (the model's

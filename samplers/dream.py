@@ -17,8 +17,7 @@ from torch import Tensor
 
 from dllm.core.params import param
 
-from . import register
-from .base import (Commit, Sampler, StepContext, each_value, per_row, row_values, tempered, top_k_per_row,
+from .base import (Commit, Sampler, StepContext, each_value, per_row, register, row_values, tempered, top_k_per_row,
                    uniform)
 
 

@@ -10,8 +10,7 @@ from torch import Tensor
 
 from dllm.core.params import param
 
-from . import register
-from .base import Commit, Sampler, StepContext, gumbel_argmax, per_row, row_values, token_probability
+from .base import Commit, Sampler, StepContext, gumbel_argmax, per_row, register, row_values, token_probability
 
 
 @register("dus")

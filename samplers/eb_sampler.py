@@ -7,8 +7,8 @@ from typing import ClassVar
 
 from dllm.core.params import param
 
-from . import register
-from .base import Commit, Sampler, StepContext, entropy_bounded, gumbel_argmax, token_entropy, token_probability
+from .base import (Commit, Sampler, StepContext, entropy_bounded, gumbel_argmax, register, token_entropy,
+                   token_probability)
 
 
 @register("eb_sampler")

@@ -21,8 +21,7 @@ from torch import Tensor
 from dllm.core.errors import DllmError
 from dllm.core.params import param
 
-from . import register
-from .base import Commit, Sampler, StepContext, entropy_bounded, per_row, token_entropy
+from .base import Commit, Sampler, StepContext, entropy_bounded, per_row, register, token_entropy
 
 
 @register("entropy_bound")

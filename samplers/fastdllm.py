@@ -8,8 +8,7 @@ import torch
 
 from dllm.core.params import param
 
-from . import register
-from .base import (CausalFirst, Commit, Sampler, StepContext, gumbel_argmax, most_confident, per_row,
+from .base import (CausalFirst, Commit, Sampler, StepContext, gumbel_argmax, most_confident, per_row, register,
                    token_probability, top_k_per_row)
 
 

@@ -10,8 +10,7 @@ import torch.nn.functional as F
 
 from dllm.core.params import param
 
-from . import register
-from .base import Commit, Sampler, StepContext, each_value, gumbel_argmax, most_confident
+from .base import Commit, Sampler, StepContext, each_value, gumbel_argmax, most_confident, register
 
 
 @register("hierarchy")

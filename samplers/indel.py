@@ -15,8 +15,7 @@ from torch import Tensor
 
 from dllm.core.params import param
 
-from . import register
-from .base import Commit, Sampler, StepContext, gumbel_argmax, per_row, token_probability, top_k_per_row
+from .base import Commit, Sampler, StepContext, gumbel_argmax, per_row, register, token_probability, top_k_per_row
 
 
 @register("joint_threshold_indel")

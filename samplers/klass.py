@@ -37,8 +37,7 @@ from torch import Tensor
 
 from dllm.core.params import param
 
-from . import register
-from .base import (Commit, Sampler, StepContext, each_value, most_confident, per_row, row_values, tempered,
+from .base import (Commit, Sampler, StepContext, each_value, most_confident, per_row, register, row_values, tempered,
                    top_k_per_row, uniform)
 from .dream import keep_top_p
 

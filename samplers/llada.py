@@ -8,8 +8,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from . import register
-from .base import (CausalFirst, Commit, Sampler, StepContext, gumbel_argmax, quota, token_probability,
+from .base import (CausalFirst, Commit, Sampler, StepContext, gumbel_argmax, quota, register, token_probability,
                    top_k_per_row, uniform)
 
 

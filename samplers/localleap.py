@@ -8,8 +8,7 @@ import torch.nn.functional as F
 
 from dllm.core.params import param
 
-from . import register
-from .base import Commit, Sampler, StepContext, each_value, gumbel_argmax, per_row, token_probability
+from .base import Commit, Sampler, StepContext, each_value, gumbel_argmax, per_row, register, token_probability
 from .fastdllm import threshold_commit
 
 

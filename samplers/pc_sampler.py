@@ -30,8 +30,7 @@ from dllm.core.errors import DllmError
 from dllm.core.params import param
 from dllm.models.checkpoint import read_json
 
-from . import register
-from .base import Commit, Sampler, StepContext, gumbel_argmax, per_row, quota
+from .base import Commit, Sampler, StepContext, gumbel_argmax, per_row, quota, register
 
 FREQUENCY_FILE = "token_frequency.json"  # beside a checkpoint's config.json
 COUNT_COMMAND = "python scripts/count_token_frequency.py"

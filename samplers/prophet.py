@@ -11,8 +11,7 @@ from torch import Tensor
 from dllm.core.errors import DllmError
 from dllm.core.params import param
 
-from . import SAMPLERS, register
-from .base import Commit, Sampler, StepContext, gumbel_argmax, per_row
+from .base import SAMPLERS, Commit, Sampler, StepContext, gumbel_argmax, per_row, register
 
 
 @register("prophet")

@@ -23,8 +23,7 @@ import torch
 from dllm.core.errors import DllmError
 from dllm.core.params import param
 
-from . import register
-from .base import Commit, Sampler, StepContext, row_values, token_probability
+from .base import Commit, Sampler, StepContext, register, row_values, token_probability
 from .fastdllm import threshold_commit
 
 DRAFT_STEPS = {"llada": 4, "dream": 8}  # FreeDave's K per model family

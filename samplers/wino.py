@@ -23,8 +23,8 @@ import torch
 
 from dllm.core.params import param
 
-from . import register
-from .base import Commit, ExtraRows, Sampler, StepContext, gumbel_argmax, most_confident, per_row, top_k_per_row
+from .base import (Commit, ExtraRows, Sampler, StepContext, gumbel_argmax, most_confident, per_row, register,
+                   top_k_per_row)
 
 FIRST_LAST_ACCEPT = 30  # the authors' `last_accept` before a block's first step
 

@@ -12,7 +12,7 @@ import dllm
 from dllm import cache as caches
 from dllm import samplers
 from dllm.core.errors import DllmError
-from dllm.engine.loop import decoded
+from dllm.engine.decoding import decoded
 from dllm.engine.text import encode_prompts
 from dllm.samplers import Daedal
 

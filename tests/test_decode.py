@@ -220,3 +220,29 @@ def test_one_sampler_object_decodes_batches_in_parallel_threads(model, sampler, 
     with ThreadPoolExecutor(2) as pool:
         together = list(pool.map(one, prompts * 3))
     assert all(torch.equal(t, alone[i % 2]) for i, t in enumerate(together))
+
+
+EDITING = [cls.name for cls in samplers.SAMPLERS if cls.edits]
+GSM8K_LIKE = ["reverse: abc12", "sort: 42,07,19,03", "add: 0457+0168", "copy: k3x9a", "reverse: hello", "add: 12+34"]
+
+
+@pytest.mark.parametrize("name", EDITING)
+def test_a_sampler_that_edits_stops_early_with_the_answer_decoded_to_the_end(tiny_llada, name):
+    """Stopping early never ends a row while a token before its stop may still be edited (issue 52 item 1): the
+    answers equal those decoded to the end (WINO's GSM8K setting: gen 128, block 64, thresholds 0.6 / 0.9)."""
+    from dllm.engine.decoding import decoded
+    from dllm.engine.text import encode_prompts
+
+    model, tok = tiny_llada
+    prompts, lengths = encode_prompts(tok, GSM8K_LIKE, chat=True), (128, 64)
+    if name == "joint_threshold_indel":  # writes the delete and split tokens: a model that has them, leaning to stop
+        model = random_model("llada2.2-tiny")
+        with torch.no_grad():
+            model.lm_head.weight[[*model.config.edit_ids, *model.config.stop_ids]] *= 40
+        prompts, lengths = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [20, 21]], (32, 8)
+    sampler = samplers.SAMPLERS.create(name, **({"threshold": 0.6, "remask_threshold": 0.9} if name == "wino" else {}))
+    early, full = (decoded(model, prompts, sampler, caches.CACHES.create("none"), *lengths, stop_early=stop)
+                   for stop in (True, False))
+    assert [early.answer(row) for row in early.rows] == [full.answer(row) for row in full.rows]
+    assert any(early.answer(row) != full.canvas.tokens[b, full.canvas.gen_start[b]:].tolist()
+               for b, row in enumerate(early.rows))  # some row stopped before its canvas's end

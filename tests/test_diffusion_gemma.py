@@ -19,7 +19,7 @@ from dllm.core.errors import DllmError
 from dllm.cache import CACHES
 from dllm.engine.canvas import Canvas
 from dllm.engine.likelihood import elbo
-from dllm.engine.loop import decode
+from dllm.engine.decoding import decode
 from dllm.engine.options import decoding_lengths, settle
 from dllm.models import PRESETS, diffusion_gemma
 from dllm.models.gemma import DiffusionGemma

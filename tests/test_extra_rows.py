@@ -10,7 +10,7 @@ from conftest import random_model
 import dllm
 from dllm import cache as caches
 from dllm.engine.guidance import Guidance
-from dllm.engine.loop import decoded
+from dllm.engine.decoding import decoded
 from dllm.engine.text import encode_prompts
 from dllm.samplers import ExtraRows
 from dllm.samplers.llada import LowConfidence

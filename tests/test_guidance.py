@@ -200,6 +200,7 @@ def test_rows_with_their_own_temperatures_keep_the_options_each_as_alone(eos_hea
     from dllm import cache as caches
     from dllm import samplers
     from dllm.engine import Batch
+    from dllm.engine.options import LoopOptions
     from dllm.engine.guidance import Guidance
 
     model, tok = eos_heavy
@@ -209,11 +210,12 @@ def test_rows_with_their_own_temperatures_keep_the_options_each_as_alone(eos_hea
     rows = [(ids[0], 0, greedy), (ids[1], 1, warm), (ids[0], 0, warm), (ids[2], 2, greedy)]
 
     def decode(rows):
-        batch = Batch(model, rows[0][2], caches.CACHES.create("none"), 8, 4, stop_early=False, guidance=guidance)
+        batch = Batch(model, rows[0][2], caches.CACHES.create("none"), 8, 4,
+                      LoopOptions(stop_early=False, guidance=guidance))
         added = [batch.add(prompt, 16, seed, sampler) for prompt, seed, sampler in rows]
         while batch.running:
             batch.run_block()
-        batch._save()
+        batch.save()
         return [row.tokens[len(row.prompt):].tolist() for row in added]  # stop tokens too: this model proposes them
 
     alone = [decode([row])[0] for row in rows]

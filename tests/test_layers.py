@@ -1,6 +1,8 @@
 """The package's layers import one way: core -> models -> policies (samplers, cache; never each other) ->
 engine -> eval -> serve -> cli. Each module is imported alone in a clean interpreter and every `dllm` module it pulls
-in must sit in its own layer or a lower one."""
+in must sit in its own layer or a lower one; and no module imports itself back through others (no circles)."""
+import ast
+import importlib.util
 import json
 import pkgutil
 import subprocess
@@ -100,3 +102,70 @@ def test_the_distribution_installs_one_top_level_package():
     from importlib.metadata import distribution
 
     assert distribution("dllm-fast").read_text("top_level.txt").split() == ["dllm"]
+
+
+def imports_of(module: str, source: str, modules: set[str]) -> set[str]:
+    """The `dllm` modules `module` imports, counting every import statement (inside functions and `TYPE_CHECKING`
+    too): `from P import name` imports P (a package's `__init__`, where its names live) and P.name if that is a
+    module; `import a.b` and `from a.b import x` import a.b."""
+    package = module if importlib.util.find_spec(module).submodule_search_locations else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            base = ".".join(part for part in (base, node.module) if part)
+            found |= {base} | {f"{base}.{alias.name}" for alias in node.names}
+    return (found & modules) - {module}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import graph's circles: each strongly connected set of two or more modules (Tarjan), sorted."""
+    index, low, stack, found = {}, {}, [], []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            members = stack[stack.index(v):]
+            del stack[stack.index(v):]
+            if len(members) > 1:
+                found.append(sorted(members))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = set(all_modules())
+    return {m: imports_of(m, open(importlib.util.find_spec(m).origin).read(), modules) for m in modules}
+
+
+def test_no_module_imports_itself_back():
+    """No circle in the whole package: not between layers, not between modules of one layer, not through a
+    package's `__init__` (a registry module taking `register` from its package, which imports it)."""
+    found = circles(import_graph())
+    assert not found, "\n".join(" -> ".join(circle) for circle in found)
+
+
+def test_a_circle_is_caught():
+    """The check finds a module taking a name back from its package's `__init__` (which imports the module), a
+    circle through a `TYPE_CHECKING` import, and one inside a function."""
+    modules = {"dllm.samplers", "dllm.samplers.wino", "dllm.engine.loop", "dllm.engine.lockstep", "dllm.engine.api",
+               "dllm.engine.stats"}
+    sources = {"dllm.samplers": "from . import wino", "dllm.samplers.wino": "from . import register",
+               "dllm.engine.loop": "from .lockstep import x",
+               "dllm.engine.lockstep": "if TYPE_CHECKING:\n    from .loop import Batch",
+               "dllm.engine.api": "def f():\n    from .stats import Stats", "dllm.engine.stats": "from .api import x"}
+    graph = {module: imports_of(module, source, modules) for module, source in sources.items()}
+    assert circles(graph) == [["dllm.engine.api", "dllm.engine.stats"], ["dllm.engine.lockstep", "dllm.engine.loop"],
+                              ["dllm.samplers", "dllm.samplers.wino"]]

@@ -9,7 +9,7 @@ from dllm import cache as caches
 from dllm import samplers
 from dllm.core.errors import DllmError
 from dllm.engine import Batch
-from dllm.engine.loop import decoded
+from dllm.engine.decoding import decoded
 from dllm.engine.text import encode_prompts
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18, 19, 20, 21, 22]]  # padded rows; each remainder mod 4

@@ -14,7 +14,8 @@ from dllm import cache as caches
 from dllm import samplers
 from dllm.core.errors import DllmError
 from dllm.engine import Batch
-from dllm.engine.loop import decoded
+from dllm.engine.decoding import decoded
+from dllm.engine.options import LoopOptions
 
 SHARED = list(range(5, 5 + 13))  # a "system prompt": 3 whole blocks of 4 and one token
 PROMPTS = [SHARED + [40, 41, 42], SHARED[:9] + [43, 44, 45, 46, 47, 48, 49], [50, 51, 52], SHARED + [53] * 9]
@@ -52,7 +53,7 @@ def test_kept_keys_and_values_equal_computed_ones():
     sampler, cache = samplers.SAMPLERS.create("low_confidence_dynamic"), caches.CACHES.create("block")
     stores = []
     for kept in (None, prefix):
-        batch = Batch(model, sampler, cache, 4, 4, prefix_cache=kept)
+        batch = Batch(model, sampler, cache, 4, 4, LoopOptions(prefix_cache=kept))
         for prompt in PROMPTS[:2]:
             batch.add(prompt, 8)
         batch.run_block()
@@ -69,7 +70,7 @@ def test_rows_joining_between_blocks_reuse_their_blocks_and_answer_as_alone():
     model = random_model("sdar-tiny", seed=1)
     sampler, cache = samplers.SAMPLERS.create("threshold", threshold=0.3), caches.CACHES.create("block")
     prefix = caches.PrefixBlocks(model, 8)
-    batch = Batch(model, sampler, cache, 4, 4, prefix_cache=prefix)
+    batch = Batch(model, sampler, cache, 4, 4, LoopOptions(prefix_cache=prefix))
     rows = [batch.add(PROMPTS[0], 12)]
     batch.run_block()
     batch.run_block()
@@ -105,10 +106,10 @@ def test_refusals():
     sdar = random_model("sdar-tiny")
     with pytest.raises(DllmError, match="cache 'none' recomputes them: use cache block or no prefix cache"):
         Batch(sdar, samplers.SAMPLERS.create("threshold"), caches.CACHES.create("none"), 4, 4,
-              prefix_cache=caches.PrefixBlocks(sdar, 8))
+              LoopOptions(prefix_cache=caches.PrefixBlocks(sdar, 8)))
     with pytest.raises(DllmError, match="holds another model's keys and values"):
         Batch(sdar, samplers.SAMPLERS.create("threshold"), caches.CACHES.create("block"), 4, 4,
-              prefix_cache=caches.PrefixBlocks(random_model("sdar-tiny"), 8))
+              LoopOptions(prefix_cache=caches.PrefixBlocks(random_model("sdar-tiny"), 8)))
     with pytest.raises(DllmError, match="the prefix cache size must be a positive number of MiB, got -1"):
         caches.PrefixBlocks(sdar, -1)
 

@@ -22,6 +22,8 @@ from dllm import cache as caches
 from dllm import samplers
 from dllm.core.errors import DllmError
 from dllm.engine import Batch
+from dllm.engine.decoding import new_batch
+from dllm.engine.options import LoopOptions
 from dllm.models import PRESETS, parallel
 from dllm.models.loading import parallel_copy
 from dllm.models.sharded_logits import ShardedLogits, full_logits, vocabulary_view
@@ -153,7 +155,7 @@ def decoded(model, sampler: samplers.Sampler, cache: caches.Cache, prompts=PROMP
     """Each prompt a row of one batch (its own seed and sampler): their answers and the forwards, or the refusal."""
     block = model.config.block_size or BLOCK  # a block-causal model's own
     try:
-        batch = Batch(model, sampler, cache, block, block)
+        batch = new_batch(model, sampler, cache, block, block)
         rows = [batch.add(prompt, GEN, seed) for prompt, seed in zip(prompts, seeds)]
         while batch.running:
             batch.run_block()
@@ -191,7 +193,8 @@ def test_logprobs_equal_one_process(preset, sampler, args):
     (Dream's truncated distribution)."""
     captured, gathered = [], parallel.RANKS.traffic.calls["gather"]
     for model in models(preset):
-        batch = Batch(model, samplers.SAMPLERS.create(sampler, **args), caches.CACHES.create("none"), BLOCK, BLOCK)
+        batch = new_batch(model, samplers.SAMPLERS.create(sampler, **args), caches.CACHES.create("none"), BLOCK,
+                          BLOCK)
         rows = [batch.add(prompt, GEN, seed, logprobs=3) for seed, prompt in enumerate(PROMPTS)]
         while batch.running:
             batch.run_block()
@@ -230,7 +233,7 @@ def test_every_family_commits_the_tokens_of_one_process(preset):
     for model in (whole, split):
         name, args = model_sampler(model, None, None)
         sampler = samplers.SAMPLERS.create(name, **(args or {}))
-        batch = Batch(model, sampler, caches.CACHES.create(default_cache(model)), block, block)
+        batch = new_batch(model, sampler, caches.CACHES.create(default_cache(model)), block, block)
         rows = [batch.add(prompt, 2 * block, seed) for seed, prompt in enumerate(PROMPTS)]
         while batch.running:
             batch.run_block()
@@ -313,8 +316,8 @@ def loosen(batch: Batch) -> None:
 
 def test_ranks_that_commit_differently_fail_at_that_step():
     whole, split = models("llada-tiny")
-    batch = Batch(split, samplers.SAMPLERS.create("threshold", threshold=0.99), caches.CACHES.create("none"),
-                  BLOCK, BLOCK)
+    batch = new_batch(split, samplers.SAMPLERS.create("threshold", threshold=0.99), caches.CACHES.create("none"),
+                      BLOCK, BLOCK)
     batch.add(PROMPTS[0], GEN)
     parallel.RANKS.post(loosen, batch)
     with pytest.raises(DllmError, match="ranks hold different tokens after block 0 step 0"):
@@ -339,8 +342,8 @@ def test_a_callback_that_cancels_or_raises_mid_block_reaches_every_rank():
             if (info["block"], info["step"]) == (0, 2):
                 batch.cancel(rows[1])
 
-        batch = Batch(model, samplers.SAMPLERS.create("low_confidence"), caches.CACHES.create("none"), BLOCK, BLOCK,
-                      callback=cancel)
+        batch = new_batch(model, samplers.SAMPLERS.create("low_confidence"), caches.CACHES.create("none"), BLOCK,
+                          BLOCK, LoopOptions(callback=cancel))
         rows = [batch.add(prompt, GEN, seed) for seed, prompt in enumerate(PROMPTS)]
         sent = parallel.RANKS.traffic.calls["control"]
         while batch.running:
@@ -356,8 +359,8 @@ def test_a_callback_that_cancels_or_raises_mid_block_reaches_every_rank():
             raise DllmError("stop here")
 
     whole, split = models("llada-tiny")
-    batch = Batch(split, samplers.SAMPLERS.create("low_confidence"), caches.CACHES.create("none"), BLOCK, BLOCK,
-                  callback=refuse)
+    batch = new_batch(split, samplers.SAMPLERS.create("low_confidence"), caches.CACHES.create("none"), BLOCK, BLOCK,
+                      LoopOptions(callback=refuse))
     batch.add(PROMPTS[0], GEN)
     with pytest.raises(DllmError, match="stop here"):
         batch.run_block()

@@ -9,7 +9,7 @@ from dllm import cache as caches
 from dllm import samplers
 from dllm.core.errors import DllmError
 from dllm.engine import decode
-from dllm.engine.loop import decoded
+from dllm.engine.decoding import decoded
 from dllm.engine.text import encode_prompts
 
 TEXTS = ["reverse: abc12", "sort: 42,07,19,03", "add: 0457+0168", "copy: k3x9a"]

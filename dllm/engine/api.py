@@ -14,10 +14,12 @@ from ..models import DiffusionLM
 from ..samplers import Daedal
 from .canvas import Canvas
 from .checks import check_lengths
+from .decoding import decoded, new_batch
+from .layouts import GrowingCanvas, Row
 from .likelihood import elbo
 from .logprobs import TokenLogprob, check_logprobs
-from .loop import Batch, Row, decoded
-from .options import settle
+from .loop import Batch
+from .options import LoopOptions, settle
 from .stats import Stats
 from .text import answer_text, encode_prompts, encode_text, is_token_id, warn_outside_format
 
@@ -170,9 +172,9 @@ def stream(model: DiffusionLM, tokenizer, prompt, sampler: str | Sampler | None 
     steps_per_block = check_lengths(lengths["gen_length"], lengths["block_length"], lengths["steps"],
                                     uniform=model.config.mask_id is None)
     auto = isinstance(lengths["gen_length"], Daedal)
-    batch = Batch(model, settings.sampler, settings.cache, lengths["block_length"], steps_per_block, stop_early,
-                  trace, callback=callback, compile=compile, guidance=settings.guidance,
-                  length=lengths["gen_length"] if auto else None)
+    options = LoopOptions(stop_early, trace, callback=callback, compile=compile, guidance=settings.guidance)
+    batch = new_batch(model, settings.sampler, settings.cache, lengths["block_length"], steps_per_block, options,
+                      GrowingCanvas(lengths["gen_length"]) if auto else None)
     return Stream(tokenizer, batch, batch.add(ids[0], lengths["gen_length"], seed[0] if isinstance(seed, list)
                                               else seed, logprobs=logprobs), settings.explain())
 

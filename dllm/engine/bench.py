@@ -17,7 +17,7 @@ import torch
 from .guidance import Guidance
 from ..models.loading import check_parallel, meta_model
 from ..models.quantize import weight_bytes
-from .loop import decode
+from .decoding import decode
 
 
 def kv_bytes_per_token(model) -> int:

@@ -73,12 +73,13 @@ class Canvas:
 
     @classmethod
     def lay_out(cls, model: DiffusionLM, rows: list[Tensor], before: list[int], prompt_lengths: list[int],
-                block: int = 1) -> "Canvas":
+                block: int = 1, given_up: list[Tensor | None] | None = None) -> "Canvas":
         """`rows` of tokens (prompt, then answer), padded left and right so that the first `before[b]` tokens of
         every row end at one column: the answer's start in a fresh batch, the current block's when rows joined
         between blocks (`Batch`), and the canvas from there holds whole blocks of `block` columns (so a row's last
         block, cut short where its answer ends, has one width in any batch). RoPE positions count each row's real
-        tokens from 0. On a uniform-state model the answer from that column on is not yet committed."""
+        tokens from 0. On a uniform-state model the answer from that column on is not yet committed. `given_up`:
+        each row's masks a sampler gave up (or None), which stay given up."""
         cfg, device = model.config, model.device
         left = max(before)
         length = left + -(-max(len(t) - n for t, n in zip(rows, before)) // block) * block
@@ -94,8 +95,14 @@ class Canvas:
         column = torch.arange(length, device=device)
         answer = (column >= gen_start[:, None]) & (column < gen_end[:, None])
         uncommitted = None if cfg.mask_id is not None else answer & (column >= left)
-        return cls(tokens.to(device), positions.to(device), key_mask, int(gen_start.min()), gen_start, gen_end, answer,
-                   torch.tensor(cfg.stop_ids, device=device), cfg.mask_id, uncommitted)
+        canvas = cls(tokens.to(device), positions.to(device), key_mask, int(gen_start.min()), gen_start, gen_end,
+                     answer, torch.tensor(cfg.stop_ids, device=device), cfg.mask_id, uncommitted)
+        if any(g is not None for g in given_up or []):
+            canvas.given_up = torch.zeros_like(canvas.tokens, dtype=torch.bool)
+            for b, (row, n, g) in enumerate(zip(rows, before, given_up)):
+                if g is not None:
+                    canvas.given_up[b, left - n:left - n + len(row)] = g
+        return canvas
 
     def take_rows(self, index: Tensor) -> "Canvas":
         """The canvas of the batch rows `index` alone (copies)."""
@@ -106,12 +113,30 @@ class Canvas:
                                    uncommitted=None if self.uncommitted is None else self.uncommitted[index],
                                    given_up=None if self.given_up is None else self.given_up[index])
 
-    def finish_rows(self, finished: Tensor, cfg) -> Tensor:
+    def write(self, written: Tensor, new: Tensor, commit: Tensor, lo: int, hi: int) -> None:
+        """Write `new` where `written` `[B, hi - lo]` into the columns `[lo, hi)`; `commit` of them are committed."""
+        self.tokens[:, lo:hi] = torch.where(written, new, self.tokens[:, lo:hi])
+        if self.uncommitted is not None:  # a fresh tensor: the last plan's copy stays as it was
+            self.uncommitted = self.uncommitted.clone()
+            self.uncommitted[:, lo:hi] &= ~commit
+
+    def give_up(self, given_up: Tensor, lo: int) -> Tensor:
+        """Mark the positions a sampler gave up (`[B, C]` from column `lo`): they stay masked, no longer pending.
+        Returns them."""
+        if self.given_up is None:
+            self.given_up = torch.zeros_like(self.tokens, dtype=torch.bool)
+        self.given_up[:, lo:lo + given_up.shape[1]] |= given_up
+        return given_up
+
+    def finish_rows(self, finished: Tensor, cfg, final_before: int | None = None) -> Tensor:
         """Mark rows whose answer is complete (its first committed stop token comes before its first position not
-        yet committed) and write the filler into their uncommitted positions. Returns the updated `finished`."""
+        yet committed, and before `final_before`, the first column whose committed tokens may still change) and write
+        the filler into their uncommitted positions. Returns the updated `finished`."""
         tokens, length = self.tokens, self.tokens.shape[1]
         column = torch.arange(length, device=tokens.device)
         stops = torch.isin(tokens, self.stop_ids) & self.answer
+        if final_before is not None:
+            stops &= column < final_before
         if self.uncommitted is not None:  # a random token of a live canvas ends nothing
             stops &= ~self.uncommitted
         first_stop = torch.where(stops, column, length).amin(1)

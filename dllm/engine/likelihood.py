@@ -32,7 +32,7 @@ from ..models import DiffusionLM
 from ..models.sharded_logits import full_logits, vocabulary_view
 from .checks import check_masked
 from .guidance import Guidance
-from .loop import decode
+from .decoding import decode
 
 
 def _check(model: DiffusionLM, prefix: list[int], target: list[int]) -> None:

@@ -4,8 +4,8 @@ else ours (`model_sampler`, `decoding_lengths`); keyword parameters routed to th
 cache."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
 
 from .. import cache as caches
 from .. import samplers as samplers_mod
@@ -15,7 +15,7 @@ from .checks import check_auto_length, check_guidance, check_lengths
 from .guidance import Guidance
 
 if TYPE_CHECKING:
-    from ..cache import Cache
+    from ..cache import Cache, PrefixBlocks
     from ..samplers import Sampler
 
 
@@ -285,3 +285,22 @@ def settle(model: DiffusionLM, sampler: str | Sampler | None = None, cache: str 
         check_auto_length(model, sampler, cache, False, guidance)
     return Settings(sampler, cache, lengths, guidance, {**sources, **length_sources},
                     {**model.generation_defaults.notes, **notes})
+
+
+@dataclass
+class LoopOptions:
+    """The loop's switches. `stop_early`: a row ends once its answer has (`Layout.finish`); `trace`: a record per
+    step (`Batch.trace`); `profile` times every forward into `stats.forward_seconds`; `callback` is called after
+    every step with `{"block", "step", "committed"}`; `compile` runs the model compiled (`compiled_run`; caches
+    none, prefix, dual); `guidance`: LLaDA's cfg_scale, logits_eos_inf, confidence_eos_eot_inf (`Guidance`);
+    `prefix_cache` (a `cache.PrefixBlocks`; block-causal and causal-prefix models, cache `block`) fills each
+    layout's store with the kept keys and values of the rows' finished blocks, and keeps the blocks each block
+    start makes final."""
+
+    stop_early: bool = True
+    trace: bool = False
+    profile: bool = False
+    callback: Callable[[dict], None] | None = None
+    compile: bool = False
+    guidance: Guidance = field(default_factory=Guidance)
+    prefix_cache: PrefixBlocks | None = None

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from . import dream
+import dllm.models.dream as dream
+
 from .transformer import ModelConfig, block_size_of
 
 MODEL_TYPE = "Fast_dLLM_Qwen"

@@ -4,7 +4,9 @@ router whose top-k probabilities are used as they are (dInfer's block fixes `nor
 expert bias added to the probabilities, optional dense layers and shared expert; position-aligned logits."""
 from __future__ import annotations
 
-from . import dream, sdar
+import dllm.models.dream as dream
+import dllm.models.sdar as sdar
+
 from .moe import MoEConfig, swiglu_names
 from .transformer import ModelConfig, end_ids
 

@@ -11,7 +11,8 @@ block's first token is the causal next-token prediction (NVIDIA's `causal_contex
 vLLM's version."""
 from __future__ import annotations
 
-from . import dream
+import dllm.models.dream as dream
+
 from .rope_scaling import YaRN
 from .transformer import ModelConfig, end_ids
 

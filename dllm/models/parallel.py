@@ -3,7 +3,7 @@ rank, gloo on a CPU and NCCL on CUDA for the model's collectives, a gloo group f
 
 Rank 0 is the caller's process: `dllm.load(..., tensor_parallel=N)` starts ranks 1..N-1 as its children (or, under
 `torchrun`, finds them there), and they follow it (`follow`): rank 0 runs the caller's program, and every call that
-must run on every rank (a model's load, a batch's steps, see `dllm.engine.loop.Batch`) is posted to the others
+must run on every rank (a model's load, a batch's steps, see `dllm.engine.lockstep.Lockstep`) is posted to the others
 (`Ranks.post`), which make the same call on their own objects. An object rank 0 shares (`Ranks.share`: a model, a
 batch) is known to the others by a key and built on each by a call, so a call's arguments name it and each rank reads
 its own (its shard of the model, its copy of the batch). The calls travel in order, pickled, broadcast on the gloo

@@ -4,7 +4,8 @@ of `block_size` and every earlier block (spec `block_diffusion_moe.md` section 1
 Qwen3-MoE's feed-forward layers (softmax router, top-k renormalised, `mlp.experts.{e}.*`; config unverified)."""
 from __future__ import annotations
 
-from . import dream
+import dllm.models.dream as dream
+
 from .moe import MoEConfig, swiglu_names
 from .transformer import ModelConfig, block_size_of, end_ids
 

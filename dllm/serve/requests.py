@@ -11,6 +11,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import dllm.serve.bodies as bodies
+
 from ..cache import CACHES
 from ..core.checks import check_int, check_seed
 from ..core.errors import DllmError
@@ -21,7 +23,6 @@ from ..engine.logprobs import check_logprobs
 from ..engine.options import decoding_lengths, lengths_for_answer, settle
 from ..engine.text import answer_text, check_plain_text, encode_prompts, warn_outside_format
 from ..samplers import SAMPLERS
-from . import bodies
 from .messages import Add, StepEvent
 
 OPENAI_FIELDS = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "seed", "stream",

@@ -13,8 +13,11 @@ import torch
 from ..cache import CACHES, PrefixBlocks
 from ..core.checks import check_int
 from ..core.errors import DllmError
+from ..engine.decoding import new_batch
 from ..engine.guidance import Guidance
-from ..engine.loop import Batch, Row
+from ..engine.layouts import Row
+from ..engine.loop import Batch
+from ..engine.options import LoopOptions
 from ..models.parallel import RankFailed
 from ..samplers import SAMPLERS
 from .messages import Add, Delta, PrefixStats, Stats, StepEvent
@@ -222,11 +225,11 @@ class Engine:
     def _group(self, task: Task) -> Group:
         """A new batch for `task`'s kind."""
         add = task.add
-        batch = Batch(self.model, task.sampler, task.cache, add.block_length, add.steps_per_block,
-                      stop_early=add.stop_early, compile=self.compile,
-                      prefix_cache=self.prefix if task.cache.keeps_final_blocks else None, guidance=task.guidance)
+        options = LoopOptions(stop_early=add.stop_early, compile=self.compile, guidance=task.guidance,
+                              prefix_cache=self.prefix if task.cache.keeps_final_blocks else None)
+        batch = new_batch(self.model, task.sampler, task.cache, add.block_length, add.steps_per_block, options)
         group = Group(task.key, batch)
-        batch.callback = lambda info: self._step(group)
+        options.callback = lambda info: self._step(group)
         return group
 
     def _retire(self, group: Group) -> None:
