@@ -26,10 +26,10 @@ from dllm.core.errors import DllmError
 from dllm.engine import generate
 from dllm.engine.checks import check_policies
 from dllm.engine.options import settle
-from dllm.engine.text import encode_prompts
+from dllm.engine.text import check_plain_text, encode_prompts, encode_text
 from dllm.samplers import Daedal
 
-from .tasks import Item, get_task
+from .tasks import SUITES, Item, get_task
 
 VERSIONED_PACKAGES = ("dllm-fast", "torch", "transformers", "tokenizers", "accelerate", "torchao")
 
@@ -49,9 +49,17 @@ def evaluate(model, tokenizer, task: str, sampler: str | Any = None, cache: str 
     lengths default to the model's (`settle`); `cfg_scale`, `logits_eos_inf`, `confidence_eos_eot_inf` are
     LLaDA's generation options; `recipe` names the recipe the run follows (kept in the configuration).
     gen_length "auto" (`length_args`, or a `samplers.Daedal`): each answer chooses its length (DAEDAL); every run
-    records each answer's canvas and its effective tokens (not EOS), summed into `effective_token_ratio`."""
+    records each answer's canvas and its effective tokens (not EOS), summed into `effective_token_ratio`.
+    A suite (`tasks.SUITES`) evaluates each of its tasks into `output/<task>/` (`evaluate_suite`)."""
     from accelerate import PartialState
 
+    if task in SUITES:
+        return evaluate_suite(model, tokenizer, task, sampler, cache, gen_length, block_length, steps, output=output,
+                              limit=limit, batch_size=batch_size, seed=seed, chat=chat, sampler_args=sampler_args,
+                              cache_args=cache_args, model_name=model_name, data=data, num_fewshot=num_fewshot,
+                              gold=gold, compile=compile, unsafe_exec=unsafe_exec, cfg_scale=cfg_scale,
+                              logits_eos_inf=logits_eos_inf, confidence_eos_eot_inf=confidence_eos_eot_inf,
+                              recipe=recipe, length_args=length_args)
     spec = get_task(task)
     score_text = spec.scorer(unsafe_exec)  # fails before any work when code cannot run isolated
     check_int("batch_size", batch_size, 1)
@@ -65,6 +73,11 @@ def evaluate(model, tokenizer, task: str, sampler: str | Any = None, cache: str 
     config: dict[str, Any] = {"task": task, "num_fewshot": shots, "data": source, "limit": limit,
                               "batch_size": batch_size, "gold": gold}
     guidance = None
+    if spec.gen_length is not None and (gen_length is None or isinstance(gen_length, int)) and length_args is None:
+        # the task's lengths unless the caller sets them
+        gen_length = spec.gen_length if gen_length is None else gen_length
+        block_length = gen_length if block_length is None else block_length
+        steps = gen_length if steps is None else steps
     if not gold:
         settings = settle(model, sampler, cache, {}, sampler_args, cache_args, gen_length, block_length, steps,
                           cfg_scale, logits_eos_inf, confidence_eos_eot_inf, length_args)
@@ -80,7 +93,7 @@ def evaluate(model, tokenizer, task: str, sampler: str | Any = None, cache: str 
         config.update(model=model_name, sampler=sampler.config(), cache=cache.config(),
                       gen_length="auto" if auto else gen_length, **({"length": gen_length.config()} if auto else {}),
                       block_length=block_length, steps=steps, seed=seed, chat=chat, dtype=str(model.dtype),
-                      compile=compile, quantization=model.quantization, **guidance,
+                      compile=compile, quantization=model.quantization, stop_early=spec.stop_early, **guidance,
                       **({"recipe": recipe} if recipe else {}))
 
     state = PartialState(cpu=model is None or model.device.type != "cuda")
@@ -115,7 +128,8 @@ def evaluate(model, tokenizer, task: str, sampler: str | Any = None, cache: str 
                 texts, lengths, stats = [it.gold for it in batch], [(0, 0, 0)] * len(batch), None
             else:
                 texts, lengths, stats = _decode_batch(model, tokenizer, batch, sampler, cache, gen_length,
-                                                      block_length, steps, seed, chat, compile, guidance)
+                                                      block_length, steps, seed, chat, compile, guidance,
+                                                      spec.stop_early)
             missing = [(i, it) for i, it in enumerate(batch) if stale(it, batch)]
             scores = scorer.map(lambda pair: score_text(pair[1], texts[pair[0]]), missing)
             for (i, it), score in zip(missing, scores):
@@ -139,9 +153,45 @@ def evaluate(model, tokenizer, task: str, sampler: str | Any = None, cache: str 
     return summary
 
 
+def evaluate_suite(model, tokenizer, suite: str, *args: Any, output: str | Path | None = None,
+                   **kwargs: Any) -> dict[str, Any]:
+    """Each task of `suite` evaluated into `output/<task>/` (each with its own answer length), then the suite's
+    `summary.json`: `task_scores`, `suite_score` (their unweighted mean, the paper's average), `suite_tps` (the mean
+    of the tasks' tokens per step) and the same means as `accuracy`, `tps_canvas`, `tpf`, `nfe_mean`."""
+    from accelerate import PartialState
+
+    names = SUITES[suite]
+    summaries = {t: evaluate(model, tokenizer, t, *args, output=Path(output) / t.partition("/")[2] if output else None,
+                             **kwargs) for t in names}
+
+    def mean(key: str) -> float:
+        return sum(s[key] for s in summaries.values()) / len(summaries)
+
+    seconds = sum(s["seconds"] for s in summaries.values())
+    scores = {t: s["accuracy"] for t, s in summaries.items()}
+    first = summaries[names[0]]["config"]
+    summary = {"task": suite, "n": sum(s["n"] for s in summaries.values()), "accuracy": mean("accuracy"),
+               "suite_score": mean("accuracy"), "task_scores": scores, "suite_tps": mean("tps_canvas"),
+               "tps_canvas": mean("tps_canvas"), "tpf": mean("tpf"), "nfe_mean": mean("nfe_mean"),
+               "tokens_per_second": sum(s["tokens_per_second"] * s["seconds"] for s in summaries.values()) / seconds
+               if seconds else 0.0, "seconds": seconds, "accuracy_by_metric": {}, "per_group_accuracy": scores,
+               "metrics_unavailable": sorted({m for s in summaries.values() for m in s["metrics_unavailable"]}),
+               "config": {**{k: v for k, v in first.items() if k not in ("data", "num_fewshot", "gen_length",
+                                                                          "block_length", "steps")},
+                          "task": suite, "tasks": {t: {k: s["config"].get(k) for k in ("data", "num_fewshot",
+                                                                                          "gen_length",
+                                                                                          "block_length", "steps")}
+                                                   for t, s in summaries.items()}},
+               "environment": summaries[names[0]]["environment"], "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if output and PartialState().is_main_process:
+        (Path(output) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
 def count_records(output: str | Path, sweep: bool = False) -> int:
-    """Records in `output`, or with `sweep` in its points' folders."""
-    files = Path(output).glob("*/results.jsonl") if sweep else [Path(output) / "results.jsonl"]
+    """Records in `output` (a suite's in its tasks' folders), or with `sweep` in its points' folders."""
+    root = Path(output)
+    files = root.glob("*/**/results.jsonl") if sweep else [root / "results.jsonl", *root.glob("*/*/results.jsonl")]
     return sum(len(_read_records(f)) for f in files)
 
 
@@ -150,7 +200,7 @@ def _check_context(model, tokenizer, items: list[Item], chat: bool, gen_length: 
     if not items:
         return
     try:
-        longest = max(len(ids) for ids in encode_prompts(tokenizer, [it.prompt for it in items], chat))
+        longest = max(len(ids) for ids in encode_prompts(tokenizer, prompts(tokenizer, items, chat), chat))
     except DllmError as e:
         raise DllmError(f"this model's tokenizer cannot read the task's prompts ({e}); use a model whose "
                         f"vocabulary covers the task (the shipped tiny models know only the synthetic task)") from None
@@ -161,12 +211,29 @@ def _check_context(model, tokenizer, items: list[Item], chat: bool, gen_length: 
                         f"a model with a longer context")
 
 
+def prompts(tokenizer, items: list[Item], chat: bool) -> list[str | list[int]]:
+    """What `generate` takes for each item: its prompt, or a conversation's token ids (through the chat template;
+    with chat off, the turns' texts joined by blank lines, which differs from what the model was tuned on)."""
+    out: list[str | list[int]] = []
+    for it in items:
+        if not it.messages:
+            out.append(it.prompt)
+            continue
+        for _, content in it.messages:
+            check_plain_text(tokenizer, content, f"prompt {it.id}")
+        text = tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in it.messages], tokenize=False,
+                                             add_generation_prompt=True) if chat else \
+            "\n\n".join(c for _, c in it.messages)
+        out.append(encode_text(tokenizer, text, f"prompt {it.id}"))
+    return out
+
+
 def _decode_batch(model, tokenizer, batch: list[Item], sampler, cache, gen_length, block_length, steps, seed,
-                  chat, compile, guidance: dict) -> tuple[list[str], list[int], Any]:
+                  chat, compile, guidance: dict, stop_early: bool = True) -> tuple[list[str], list[int], Any]:
     """Generated texts, their token counts (up to the first stop token; then the answer canvas's tokens and those
     of them that are not EOS, the effective tokens of DAEDAL's metrics) and the batch statistics."""
-    out = generate(model, tokenizer, [it.prompt for it in batch], sampler, cache, gen_length, block_length, steps,
-                   seed, chat, compile=compile, **guidance)
+    out = generate(model, tokenizer, prompts(tokenizer, batch, chat), sampler, cache, gen_length, block_length, steps,
+                   seed, chat, stop_early=stop_early, compile=compile, **guidance)
     eos = model.config.filler_id
     counts = [(len(ids), len(canvas), sum(t != eos for t in canvas)) for ids, canvas in zip(out.token_ids,
                                                                                           out.canvas_ids)]
@@ -177,13 +244,18 @@ def _record(item: Item, text: str, scores: dict, counts: tuple[int, int, int], s
     (extracted, correct), *_ = scores.values()
     gen_tokens, canvas_tokens, effective_tokens = counts
     return {"id": item.id, "group": item.group, "prompt": item.prompt, "output": text, "extracted": extracted,
-            "reference": item.reference, "correct": bool(correct),
-            "metrics": {name: bool(ok) for name, (_, ok) in scores.items()},
+            "reference": item.reference, "correct": _value(correct),
+            "metrics": {name: _value(ok) for name, (_, ok) in scores.items()},
             "forwards": stats.nfe if stats else 0, "gen_tokens": gen_tokens, "canvas_tokens": canvas_tokens,
             "effective_tokens": effective_tokens,
             "committed_tokens": stats.gen_tokens / batch if stats else 0,
             "seconds": stats.seconds / batch if stats else 0.0, "batch_size": batch,
             "rows_per_layer": sum(stats.rows_per_layer) / len(stats.rows_per_layer) / batch if stats else 0.0}
+
+
+def _value(v: bool | float | None) -> bool | float | None:
+    """A metric's value as recorded: a bool, a graded float (ROUGE-L), or None when its tool is missing."""
+    return v if v is None or isinstance(v, float) else bool(v)
 
 
 def _read_records(path: Path) -> dict[str, dict]:
@@ -250,18 +322,23 @@ def summarize(records: list[dict], task: str) -> dict[str, Any]:
     """Accuracy, forwards and throughput of a finished run. tpf = committed tokens per forward per sequence."""
     n = len(records)
     groups: dict[str, list[bool]] = defaultdict(list)
-    metrics: dict[str, list[bool]] = defaultdict(list)
+    metrics: dict[str, list[bool | float]] = defaultdict(list)
     for r in records:
         groups[r["group"]].append(r["correct"])
         for name, ok in r["metrics"].items():
-            metrics[name].append(ok)
+            metrics.setdefault(name, [])
+            if ok is not None:  # None: the metric's tool is not installed
+                metrics[name].append(ok)
     forwards = sum(r["forwards"] for r in records)
     committed = sum(r["committed_tokens"] for r in records)
     canvas = sum(r.get("canvas_tokens", 0) for r in records)
     seconds = sum(r["seconds"] for r in records)
     return {"task": task, "n": n, "accuracy": sum(r["correct"] for r in records) / max(n, 1),
-            "accuracy_by_metric": {m: sum(v) / len(v) for m, v in metrics.items()},
+            "accuracy_by_metric": {m: sum(v) / len(v) if v else None for m, v in metrics.items()},
+            "metrics_unavailable": [m for m, v in metrics.items() if not v and n],
             "nfe_mean": forwards / max(n, 1), "tpf": committed / max(forwards, 1),
+            # answer canvas tokens per forward: ParallelBench's tokens per step (TPS) when every block is decoded
+            "tps_canvas": canvas / forwards if forwards else 0.0,
             "gen_tokens_mean": sum(r["gen_tokens"] for r in records) / max(n, 1),
             "canvas_tokens_mean": canvas / max(n, 1),  # the answer canvas: gen_length, or as gen_length auto grew it
             # DAEDAL's effective token ratio (its metrics scripts): answer canvas tokens that are not EOS, of all

@@ -15,6 +15,13 @@ where ``c`` is the carry in and ``ss`` the two-digit column sum, whose first dig
 
 Every answer ends GSM8K-style with ``#### <final answer>``. Note that ``sort`` answers contain commas:
 score them with :func:`extract_answer`, not with an extractor that deletes commas from numbers.
+
+``LIST_FAMILIES`` (not in the default suite, trained with ``scripts/train_tiny.py --mix``) mirror ParallelBench's
+waiting-line operations (arXiv 2510.04767; spec ``parallelbench.md`` section 6) on 3-8 distinct letters:
+``shuffle: a,b,c`` -> ``#### c,a,b``, ``replace any with x: a,b,c`` -> ``#### a,x,c``, ``replace 1 with x: a,b,c``
+(0-based), ``insert x: a,b,c``, ``remove any: a,b,c``, ``copy list:``, ``reverse list:``, ``sort list:``. The random
+ones have several right answers (the training target is one drawn uniformly, the distribution the paper's closed
+forms assume); :func:`score` accepts any of them, as the benchmark's metrics do.
 """
 
 from __future__ import annotations
@@ -23,8 +30,11 @@ import random
 import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 FAMILIES: tuple[str, ...] = ("copy", "reverse", "sort", "count", "add")
+LIST_FAMILIES: tuple[str, ...] = ("copy_list", "reverse_list", "sort_list", "shuffle", "replace_random",
+                                  "replace_index", "insert_random", "remove_random")
 
 #: Every character that can occur in a prompt or an answer.
 CHARSET: str = string.ascii_lowercase + string.digits + " #+,:="
@@ -73,8 +83,11 @@ def extract_answer(text: str) -> str | None:
 
 
 def score(example: Example, generated_text: str) -> bool:
-    """Exact match of the final answer extracted from ``generated_text``."""
-    return extract_answer(generated_text) == example.final_answer
+    """Exact match of the final answer extracted from ``generated_text``; for a list family, any right answer."""
+    answer = extract_answer(generated_text)
+    if example.family in LIST_FAMILIES:
+        return answer is not None and list_answer_ok(example.prompt, answer)
+    return answer == example.final_answer
 
 
 def _final(body: str, final: str) -> str:
@@ -131,6 +144,51 @@ def _add(rng: random.Random) -> Example:
     return Example("add", prompt, _final(" ".join(add_steps(a, b)), str(a + b)))
 
 
+# --- list operations on single letters (ParallelBench's waiting line in miniature) ---
+
+LIST_OPS = {"copy_list": "copy list", "reverse_list": "reverse list", "sort_list": "sort list", "shuffle": "shuffle",
+            "replace_random": "replace any with {x}", "replace_index": "replace {i} with {x}",
+            "insert_random": "insert {x}", "remove_random": "remove any"}
+
+
+def _list_example(family: str, rng: random.Random) -> Example:
+    letters = rng.sample(string.ascii_lowercase, rng.randint(4, 9))
+    items, x = letters[:-1], letters[-1]  # x: a letter not in the list
+    i = rng.randrange(len(items))
+    if family == "shuffle":  # a uniformly drawn order that differs from the input
+        out = items
+        while out == items:
+            out = rng.sample(items, len(items))
+    elif family == "insert_random":
+        at = rng.randint(0, len(items))
+        out = items[:at] + [x] + items[at:]
+    else:
+        out = {"copy_list": items, "reverse_list": items[::-1], "sort_list": sorted(items),
+               "replace_random": items[:i] + [x] + items[i + 1:], "replace_index": items[:i] + [x] + items[i + 1:],
+               "remove_random": items[:i] + items[i + 1:]}[family]
+    return Example(family, f"{LIST_OPS[family].format(x=x, i=i)}: {','.join(items)}", _final("", ",".join(out)))
+
+
+def list_answer_ok(prompt: str, answer: str) -> bool:
+    """Whether `answer` (comma-separated letters) is a right answer to a list family's prompt."""
+    op, _, given = prompt.partition(": ")
+    items, out = given.split(","), answer.split(",")
+    words = op.split()
+    if op in ("copy list", "reverse list", "sort list"):
+        return out == {"copy list": items, "reverse list": items[::-1], "sort list": sorted(items)}[op]
+    if op == "shuffle":
+        return sorted(out) == sorted(items) and out != items
+    if op == "remove any":
+        return len(out) == len(items) - 1 and any(items[:i] + items[i + 1:] == out for i in range(len(items)))
+    x = words[-1]
+    if words[0] == "insert":
+        return any(items[:i] + [x] + items[i:] == out for i in range(len(items) + 1))
+    if words[1] == "any":
+        return any(items[:i] + [x] + items[i + 1:] == out for i in range(len(items)))
+    i = int(words[1])
+    return out == items[:i] + [x] + items[i + 1:]
+
+
 #: The prompts each family draws (regular expressions), and the same in words. A model trained on them carries
 #: them in its generation_config.json (`training_format`), so that a prompt outside them gets a notice.
 PROMPT_FORMATS: dict[str, str] = {
@@ -139,6 +197,7 @@ PROMPT_FORMATS: dict[str, str] = {
     "sort": r"sort: [0-9]{2}(,[0-9]{2}){3,7}",
     "count": r"count digits: (?!([a-z]*[0-9]){10})[a-z0-9]{4,12}",
     "add": r"add: (?!000)[0-9]{4}\+(?!000)[0-9]{4}",
+    **{f: LIST_OPS[f].format(x="[a-z]", i="[0-7]") + r": [a-z](,[a-z]){2,7}" for f in LIST_FAMILIES},
 }
 FORMAT_WORDS: dict[str, str] = {
     "copy": "copy: 4-12 of a-z0-9",
@@ -146,6 +205,7 @@ FORMAT_WORDS: dict[str, str] = {
     "sort": "sort: 4-8 numbers of two digits each (42,07,19,03)",
     "count": "count digits: 4-12 of a-z0-9, at most 9 digits",
     "add": "add: two numbers of 2-4 digits, each zero-padded to 4 (0457+0068)",
+    **{f: f"{LIST_OPS[f].format(x='x', i='1')}: 3-8 distinct letters (a,b,c)" for f in LIST_FAMILIES},
 }
 
 
@@ -163,8 +223,9 @@ _MAKERS: dict[str, Callable[[random.Random], Example]] = {
     "sort": _sort,
     "count": _count,
     "add": _add,
+    **{f: partial(_list_example, f) for f in LIST_FAMILIES},
 }
-assert tuple(_MAKERS) == FAMILIES
+assert tuple(_MAKERS) == FAMILIES + LIST_FAMILIES
 
 
 def solve(prompt: str) -> str:
@@ -193,7 +254,7 @@ def make_example(family: str, rng: random.Random) -> Example:
 def _check_families(families: Sequence[str]) -> None:
     unknown = [f for f in families if f not in _MAKERS]
     if unknown:
-        raise ValueError(f"unknown family {unknown[0]!r}; use one of {', '.join(FAMILIES)}")
+        raise ValueError(f"unknown family {unknown[0]!r}; use one of {', '.join(_MAKERS)}")
 
 
 def _rng(seed: int, split: str, family: str) -> random.Random:

@@ -6,6 +6,7 @@ task's accuracy. `gold` holds the dataset's own reference solution written as a 
 """
 from __future__ import annotations
 
+import json
 import random
 import re
 from dataclasses import dataclass
@@ -15,9 +16,9 @@ from typing import Callable
 from dllm.core.checks import choose_from
 from dllm.core.errors import DllmError
 
-from . import math_answers, sandbox, sources, synthetic
+from . import math_answers, parallelbench, sandbox, sources, synthetic
 
-Scores = dict[str, tuple[str | None, bool]]
+Scores = dict[str, tuple[str | None, bool | float | None]]  # float: a graded metric (ROUGE-L); None: unavailable
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class Item:
     gold: str  # the reference solution as model output
     setup: str = ""  # code that precedes the generated program (HumanEval's prompt, MBPP's imports)
     tested: tuple[str, ...] = ()  # the program's functions the tests call (code tasks), even one named like a builtin
+    messages: tuple[tuple[str, str], ...] = ()  # (role, content) turns when the prompt is a conversation
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,8 @@ class Task:
     score: Callable[..., Scores]  # (item, text) -> scores; with `runs_code`, also `unsafe_exec`
     default_fewshot: int = 0
     runs_code: bool = False  # scoring executes the generated program (in `sandbox`)
+    gen_length: int | None = None  # the task's own answer length (block_length and steps default to it)
+    stop_early: bool = True  # False: every block decoded, as the paper counts tokens per step (ParallelBench)
 
     def scorer(self, unsafe_exec: bool = False) -> Callable[[Item, str], Scores]:
         """`score` for one evaluation; a code task's programs run isolated unless `unsafe_exec`."""
@@ -65,21 +69,27 @@ def _check_no_shots(task: str, k: int) -> None:
 
 # --- synthetic ---
 
-def _synthetic_items(data: str | None, k: int) -> tuple[list[Item], str]:
+def _synthetic_items(families: tuple[str, ...], data: str | None, k: int) -> tuple[list[Item], str]:
     """The held-out split, families interleaved so that `--limit` keeps every family."""
     if data is not None:
         raise DllmError("the synthetic task is generated, not read; drop --data")
     _check_no_shots("synthetic", k)
-    per_family = {f: synthetic.make_split("test", families=[f]) for f in synthetic.FAMILIES}
+    per_family = {f: synthetic.make_split("test", families=[f]) for f in families}
     n = min(map(len, per_family.values()))
     items = [Item(f"{f}-{i}", per_family[f][i].prompt, per_family[f][i].final_answer, f, per_family[f][i].answer)
-             for i in range(n) for f in synthetic.FAMILIES]
+             for i in range(n) for f in families]
     return items, "generated:eval.synthetic"
 
 
 def _synthetic_score(item: Item, text: str) -> Scores:
     answer = synthetic.extract_answer(text)
     return {"exact": (answer, answer == item.reference)}
+
+
+def _synthetic_lists_score(item: Item, text: str) -> Scores:
+    """Any right answer: a shuffle is any other order, a random replacement any one position."""
+    answer = synthetic.extract_answer(text)
+    return {"valid": (answer, answer is not None and synthetic.list_answer_ok(item.prompt, answer))}
 
 
 # --- GSM8K: lm-eval's `gsm8k` task (5-shot from train, strict and flexible extraction) ---
@@ -220,16 +230,50 @@ def _mbpp_score(item: Item, text: str, unsafe_exec: bool = False) -> Scores:
     return {"pass@1": (code, _run_tests(item, code, unsafe_exec))}
 
 
+# --- ParallelBench: read from the user's checkout (`parallelbench`) ---
+
+def _parallelbench_items(task_id: str, data: str | None, k: int) -> tuple[list[Item], str]:
+    """The records as the authors prompt them (one-shot turns included), rows interleaved over list lengths."""
+    if k > 1:
+        raise DllmError(f"parallelbench/{task_id} records hold one example; use --num-fewshot 0 or 1")
+    config, rows, source = parallelbench.load_task(task_id, data)
+    waiting_line = task_id in parallelbench.WAITING_LINE
+    items = []
+    for i in parallelbench.interleave_by_length(rows) if waiting_line else range(len(rows)):
+        answer = rows[i]["answer"]
+        messages = parallelbench.turns(config["prompt"], rows[i], k)
+        gold = answer if isinstance(answer, str) else answer.get("example", answer.get("summary", ""))
+        group = f"n={rows[i].get('metadata', {}).get('length')}" if waiting_line else task_id
+        items.append(Item(f"{task_id}-{i}", messages[-1][1], json.dumps(answer), group, gold, messages=messages))
+    return items, source
+
+
+def _parallelbench_score(task_id: str, item: Item, text: str) -> Scores:
+    return parallelbench.score(parallelbench.METRIC_OF[task_id], text, json.loads(item.reference))
+
+
+def _parallelbench_task(task_id: str) -> Task:
+    return Task(partial(_parallelbench_items, task_id), partial(_parallelbench_score, task_id),
+                default_fewshot=parallelbench.default_fewshot(task_id), gen_length=parallelbench.gen_length(task_id),
+                stop_early=False)
+
+
 TASKS: dict[str, Task] = {
-    "synthetic": Task(_synthetic_items, _synthetic_score),
+    "synthetic": Task(partial(_synthetic_items, synthetic.FAMILIES), _synthetic_score),
+    # ParallelBench's list operations on letters, for a tiny model trained on them (every block decoded, as
+    # ParallelBench counts tokens per step)
+    "synthetic_lists": Task(partial(_synthetic_items, synthetic.LIST_FAMILIES), _synthetic_lists_score,
+                            stop_early=False),
     "gsm8k": Task(_gsm8k_items, _gsm8k_score, default_fewshot=5),
     "math500": Task(_math_items, _math_score),
     "humaneval": Task(_humaneval_items, _humaneval_score, runs_code=True),
     "mbpp": Task(_mbpp_items, _mbpp_score, default_fewshot=3, runs_code=True),
+    **{f"parallelbench/{t}": _parallelbench_task(t) for t in parallelbench.TASK_IDS},
 }
+SUITES = {name: tuple(f"parallelbench/{t}" for t in tasks) for name, tasks in parallelbench.SUITES.items()}
 
 
 def get_task(name: str) -> Task:
     if name not in TASKS:
-        raise DllmError(f"unknown task {name!r}; {choose_from(name, list(TASKS))}")
+        raise DllmError(f"unknown task {name!r}; {choose_from(name, [*TASKS, *SUITES])}")
     return TASKS[name]

@@ -1,4 +1,4 @@
-"""Train a tiny LLaDA, Dream, SDAR or DiffusionGemma on the synthetic task suite with its diffusion objective.
+"""Train a tiny LLaDA, Dream, SDAR, DiffusionGemma or WeDLM on the synthetic task suite with its diffusion objective.
 
 LLaDA SFT (arXiv 2502.09992, section 2.3): per sequence t ~ U(eps, 1); every answer position (the answer, its
 end-of-turn token and the end-of-text padding up to the answer length) is masked with probability t; the prompt is
@@ -24,6 +24,12 @@ the canvas decoded bidirectionally over it, in one forward, as the engine decode
 al., arXiv 2208.04202, as DiffusionGemma's decoder takes it): half of the steps first run a no-grad pass whose
 temperature-scaled logits condition the trained pass.
 
+WeDLM (`--arch wedlm`, a Qwen3-shaped causal network) trains with its dual-stream objective (`wedlm_loss`, spec
+`wedlm.md` section 4): the clean sequence (plain causal, an AR next-token loss on the answer) and in the same
+forward a noisy copy whose blocks of `--block-size` positions each mask round(n * gamma) answer tokens, gamma ~ U(0,
+1) per block, are reordered unmasked-then-masked and attend causally within the block and to the clean earlier
+blocks; the masked loss scores each mask at its own row, weighted 1/gamma; the two losses are averaged.
+
 Seeded and resumable: the run state (weights, optimizer moments, step) is saved as safetensors + JSON under
 `--state` (default `runs/train-ARCH`) every `--save-every` steps and picked up again when the same command is rerun.
 """
@@ -44,7 +50,7 @@ from tqdm import tqdm
 from dllm import cache as caches
 from dllm import samplers as samplers_mod
 from dllm.engine import decode, generate
-from dllm.eval.synthetic import CHARSET, FAMILIES, make_split, score, training_format
+from dllm.eval.synthetic import CHARSET, FAMILIES, LIST_FAMILIES, make_split, score, training_format
 from dllm.models import ARCHITECTURES_BY_NAME, ModelConfig
 from dllm.models.checkpoint import save_pretrained
 from dllm.models.gemma import GemmaConfig
@@ -53,24 +59,24 @@ from dllm.models.loading import build_model, init_random
 from dllm.models.moe import MoEConfig
 from dllm.models.tokenizer import build_tokenizer
 
-END_OF_TURN = {"llada": "<|eot_id|>", "dream": "<|im_end|>", "sdar": "<|im_end|>", "dgemma": "<|eot_id|>"}
-# SDAR: the Qwen chat format; DiffusionGemma: the format its `random:` presets get
-TOKENIZER_STYLE = {"llada": "llada", "dream": "dream", "sdar": "dream", "dgemma": "llada"}
+END_OF_TURN = {"llada": "<|eot_id|>", "dream": "<|im_end|>", "sdar": "<|im_end|>", "dgemma": "<|eot_id|>",
+               "wedlm": "<|im_end|>"}
+# SDAR, WeDLM: the Qwen chat format; DiffusionGemma: the format its `random:` presets get
+TOKENIZER_STYLE = {"llada": "llada", "dream": "dream", "sdar": "dream", "dgemma": "llada", "wedlm": "dream"}
 
 
 def model_config(arch: str, tok, size: dict, rope_theta: float, block_size: int = 4) -> ModelConfig:
     """LLaDA: Llama layout; Dream: Qwen2 (q/k/v bias, shifted logits); SDAR: Qwen3 (per-head q/k norm, no bias)
-    with block-causal attention in blocks of `block_size`."""
+    with block-causal attention in blocks of `block_size`; WeDLM: Qwen3 with causal attention."""
     eos, eot = tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids(END_OF_TURN[arch])
-    sdar = arch == "sdar"
+    qwen3 = dict(head_size=size["d"] // size["heads"], qk_norm=True)
+    layout = {"sdar": dict(**qwen3, block_size=block_size), "wedlm": dict(**qwen3, causal=True)}.get(arch, {})
     return ModelConfig(arch=arch, vocab_size=len(tok), hidden_size=size["d"], intermediate_size=size["ff"],
                        n_layers=size["layers"], n_heads=size["heads"], n_kv_heads=size["kv_heads"],
                        rms_norm_eps=1e-5 if arch == "llada" else 1e-6,
                        rope_theta=rope_theta, qkv_bias=arch == "dream",
                        logit_shift=int(arch == "dream"), mask_id=tok.mask_token_id, pad_id=eos,
-                       stop_ids=tuple(sorted({eos, eot})), filler_id=eos, max_length=256,
-                       **(dict(head_size=size["d"] // size["heads"], qk_norm=True, block_size=block_size)
-                          if sdar else {}))
+                       stop_ids=tuple(sorted({eos, eot})), filler_id=eos, max_length=256, **layout)
 
 
 def dgemma_config(tok, size: dict, rope_theta: float, canvas_length: int) -> GemmaConfig:
@@ -124,17 +130,18 @@ def encode(tok, arch: str, examples, answer_length: int) -> tuple[torch.Tensor, 
 
 
 def parse_mix(text: str) -> dict[str, float]:
-    """``"copy:1,sort:2"`` -> sampling weight per family (families left out get 0)."""
+    """``"copy:1,sort:2"`` -> sampling weight per family (families left out get 0); the list families
+    (ParallelBench's operations on letters) only where named."""
     mix = {}
     for part in text.split(","):
         family, _, weight = part.partition(":")
-        bad = ValueError(f"bad --mix entry {part!r}; write family:weight with a family of {', '.join(FAMILIES)} "
-                         "and a weight >= 0")
+        bad = ValueError(f"bad --mix entry {part!r}; write family:weight with a family of "
+                         f"{', '.join(FAMILIES + LIST_FAMILIES)} and a weight >= 0")
         try:
             mix[family] = float(weight)
         except ValueError:
             raise bad from None
-        if family not in FAMILIES or not mix[family] >= 0:
+        if family not in FAMILIES + LIST_FAMILIES or not mix[family] >= 0:
             raise bad
     if not sum(mix.values()) > 0:
         raise ValueError(f"--mix {text!r} gives every family weight 0; give at least one a positive weight")
@@ -212,6 +219,15 @@ def block_diffusion_mask(blocks: torch.Tensor, noisy: torch.Tensor, real: torch.
     return see[:, None]
 
 
+def left_padded(prompts, lengths, answers) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The left-padded prompts cut to the longest one `[B, P]`, and of [prompt | answer] which columns are real (not
+    padding) and their RoPE positions, counted from each row's first prompt token, `[B, P + A]`."""
+    width = int(lengths.max())
+    real = torch.cat((torch.arange(width)[None] >= (width - lengths)[:, None],
+                      torch.ones_like(answers, dtype=torch.bool)), 1)
+    return prompts[:, -width:], real, (real.long().cumsum(1) - 1).clamp(min=0)
+
+
 def block_diffusion_inputs(cfg: ModelConfig, prompts, lengths, answers, generator, eps: float = 1e-3) -> dict:
     """One forward's inputs for the block-diffusion loss (BD3-LM / SDAR training), laid out as the engine
     decodes a block-causal model: every row's RoPE positions count from its first prompt token, the answer
@@ -231,11 +247,8 @@ def block_diffusion_inputs(cfg: ModelConfig, prompts, lengths, answers, generato
         raise ValueError("the block-diffusion loss needs position-aligned logits (logit_shift 0)")
     batch = prompts.shape[0]
     size = cfg.block_size
-    width = int(lengths.max())
-    prompts = prompts[:, -width:]
-    real = torch.cat((torch.arange(width)[None] >= (width - lengths)[:, None],
-                      torch.ones_like(answers, dtype=torch.bool)), 1)
-    positions = (real.long().cumsum(1) - 1).clamp(min=0)
+    prompts, real, positions = left_padded(prompts, lengths, answers)
+    width = prompts.shape[1]
     blocks = positions // size
     t_block = eps + (1 - eps) * torch.rand(batch, int(blocks.max()) + 1, generator=generator)
     t = t_block.gather(1, blocks[:, width:])
@@ -265,6 +278,12 @@ def block_diffusion_loss(model, prompts, lengths, answers, generator, eps: float
     return (ce * weight).sum() / (denominator or answers.numel())
 
 
+def length_groups(need: torch.Tensor, chunks: int) -> list[torch.Tensor]:
+    """The rows of a batch in at most `chunks` groups of similar `need` `[B]` (the canvas each row needs)."""
+    order = need.argsort(stable=True)
+    return [g for g in order.tensor_split(min(chunks, len(order))) if len(g)]
+
+
 def chunked_block_diffusion_loss(model, prompts, lengths, answers, generator, chunks: int = 4,
                                  eps: float = 1e-3) -> torch.Tensor:
     """`block_diffusion_loss` of a batch run as `chunks` forwards of rows of similar answer length, each
@@ -275,12 +294,95 @@ def chunked_block_diffusion_loss(model, prompts, lengths, answers, generator, ch
     size = model.config.block_size
     need = (answers != model.config.filler_id).sum(1)  # answer and end of turn
     need = ((lengths + need + size - 1) // size * size - lengths).clamp(max=answers.shape[1])
-    order = need.argsort(stable=True)
-    groups = [g for g in order.tensor_split(min(chunks, len(order))) if len(g)]
+    groups = length_groups(need, chunks)
     widths = [int(need[g].max()) for g in groups]
     total = sum(len(g) * w for g, w in zip(groups, widths))
     return sum(block_diffusion_loss(model, prompts[g], lengths[g], answers[g, :w], generator, eps, total)
                for g, w in zip(groups, widths))
+
+
+def wedlm_mask(blocks: torch.Tensor, noisy: torch.Tensor, order: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """Which keys each query sees in the sequence [xt ; x0] of `wedlm_inputs`, bool `[B, 1, N, N]` (the authors'
+    `build_2d_attention_mask`, spec `wedlm.md` section 4).
+
+    blocks `[B, N]`: training block of every column (RoPE position // block size); noisy `[N]`: the column belongs
+    to the noisy copy; order `[B, N]`: a column's place in its copy (the clean copy: its position; the noisy copy:
+    its index in the reordered sequence); real `[B, N]`: not padding. A clean query sees the clean keys at or before
+    its position (plain causal); a noisy query of block b sees the clean keys of blocks < b and the noisy keys of
+    block b at or before it in the reordered order. No query sees a padding key; every query sees itself."""
+    qb, kb = blocks[:, :, None], blocks[:, None, :]
+    before = order[:, None, :] <= order[:, :, None]
+    qn, kn = noisy[None, :, None], noisy[None, None, :]
+    see = torch.where(qn, torch.where(kn, (kb == qb) & before, kb < qb), ~kn & before) & real[:, None, :]
+    see |= torch.eye(blocks.shape[1], dtype=torch.bool, device=blocks.device)
+    return see[:, None]
+
+
+def wedlm_inputs(cfg: ModelConfig, prompts, lengths, answers, generator, block_size: int) -> dict:
+    """One forward's inputs for WeDLM's dual-stream loss (Tencent/WeDLM `finetune/src/batch.py`, `masking.py`; spec
+    `wedlm.md` section 4), with left padding and RoPE positions counted from each row's first prompt token, blocks
+    of `block_size` positions from there (the authors align blocks at each sample's start).
+
+    x0 = [prompt | answer]; xt: in each block, gamma ~ U(0, 1) (at least 1e-8) and round(n * gamma) of its n answer
+    tokens chosen uniformly are masked (the prompt never is), then the block is reordered, unmasked tokens in
+    position order first, then the masks, each keeping its position. The forward sees [xt ; x0] under `wedlm_mask`,
+    so each noisy block is computed as a decoding step computes its window after a committed prefix. The noisy copy
+    starts `block_size - 1` columns before the answer (the prompt tail that shares the first answer block).
+
+    Returns tokens, positions `[B, N]`, key_mask `[B, 1, N, N]`, logit_rows `[B, 2A]` (each answer token's noisy
+    row, then the clean row before each answer token: the AR loss's), masked `[B, A]` and gamma `[B, A]` (its
+    block's)."""
+    if cfg.logit_shift:
+        raise ValueError("WeDLM's loss needs position-aligned logits (logit_shift 0)")
+    batch, n_answer = answers.shape
+    prompts, real, positions = left_padded(prompts, lengths, answers)
+    width = prompts.shape[1]
+    blocks = positions // block_size
+    gamma = torch.rand(batch, int(blocks.max()) + 1, generator=generator).clamp(min=1e-8).gather(1, blocks[:, width:])
+    same = blocks[:, width:, None] == blocks[:, None, width:]  # answer tokens of one block
+    draw = torch.rand(answers.shape, generator=generator)
+    below = (same & (draw[:, None, :] < draw[:, :, None])).sum(2)  # the block's tokens drawn before this one
+    masked = below < torch.round(same.sum(2) * gamma)
+    tail = max(width - (block_size - 1), 0)
+    segment = torch.cat((prompts[:, tail:], torch.where(masked, cfg.mask_id, answers)), 1)
+    seg_masked = torch.cat((torch.zeros(batch, width - tail, dtype=torch.bool), masked), 1)
+    reorder = (blocks[:, tail:] * 2 + seg_masked).sort(dim=1, stable=True).indices  # within a block: unmasked first
+    n_noisy = segment.shape[1]
+    tokens = torch.cat((segment.gather(1, reorder), prompts, answers), 1)
+    positions = torch.cat((positions[:, tail:].gather(1, reorder), positions), 1)
+    key_mask = wedlm_mask(positions // block_size, torch.arange(tokens.shape[1]) < n_noisy,
+                          torch.cat((torch.arange(n_noisy).expand(batch, -1), positions[:, n_noisy:]), 1),
+                          torch.cat((real[:, tail:].gather(1, reorder), real), 1))
+    noisy_rows = reorder.argsort(1)[:, width - tail:]  # where each answer token's noisy copy went
+    clean_rows = n_noisy + width - 1 + torch.arange(n_answer).expand(batch, -1)
+    return dict(tokens=tokens, positions=positions, key_mask=key_mask,
+                logit_rows=torch.cat((noisy_rows, clean_rows), 1), masked=masked, gamma=gamma)
+
+
+def wedlm_loss(model, prompts, lengths, answers, generator, block_size: int, ar_weight: float = 1.0,
+               chunks: int = 1) -> torch.Tensor:
+    """(L_mlm + ar_weight L_ar) / (1 + ar_weight), the authors' default weight 1: L_mlm the CE of each masked token
+    at its own noisy row, a mean weighted 1/gamma of its block; L_ar the mean next-token CE of the clean answer.
+
+    The batch runs as `chunks` forwards of rows of similar answer length (`length_groups`), each canvas cut
+    `block_size - 1` positions after its longest answer's end of turn (a window no wider than the training block
+    never reaches further before the end of turn is committed); the means are the whole batch's."""
+    device = model.device
+    need = ((answers != model.config.filler_id).sum(1) + block_size - 1).clamp(max=answers.shape[1])
+    weighted, weights, ar, ar_count = 0.0, 0.0, 0.0, 0
+    for g in length_groups(need, chunks):
+        part = answers[g, :int(need[g].max())]
+        x = wedlm_inputs(model.config, prompts[g], lengths[g], part, generator, block_size)
+        logits = model.run(x["tokens"].to(device), x["positions"].to(device), x["key_mask"].to(device),
+                           logit_rows=x["logit_rows"].to(device))
+        n = part.shape[1]
+        ce = F.cross_entropy(logits.float().flatten(0, 1), part.repeat(1, 2).to(device).flatten(),
+                             reduction="none").view(len(g), 2 * n)
+        weight = (x["masked"] / x["gamma"]).to(device)
+        weighted, weights = weighted + (ce[:, :n] * weight).sum(), weights + weight.sum()
+        ar, ar_count = ar + ce[:, n:].sum(), ar_count + ce[:, n:].numel()
+    mlm = weighted / max(float(weights), 1.0)  # 0 when no token is masked
+    return (mlm + ar_weight * ar / ar_count) / (1 + ar_weight)
 
 
 @torch.no_grad()
@@ -289,11 +391,15 @@ def evaluate(model, tok, examples, answer_length: int, block_length: int, sample
     """Exact match per family with vanilla decoding (low_confidence, one token per step, T = 0), or `sampler`.
     A block-causal model (SDAR) decodes in its attention blocks with its exact block cache, its answers starting
     at each row's prompt end (not at one canvas column), so they are read through `generate`. A uniform-state
-    model (DiffusionGemma) decodes as its family does (entropy_bound, the canvases its generation defaults name)."""
+    model (DiffusionGemma) decodes as its family does (entropy_bound, the canvases its generation defaults name). A
+    causal model (WeDLM) decodes blocks of one position: each token from a mask row after the committed answer, its
+    streaming decoding with a window of 1 (the window layout is not in the loop yet)."""
     model.eval()
     ids = [prompt_ids(tok, ex.prompt) for ex in examples]
     if model.config.mask_id is None:
         texts = generate(model, tok, ids).texts
+    elif model.config.causal:
+        texts = generate(model, tok, ids, sampler=sampler, gen_length=answer_length, block_length=1).texts
     elif model.config.block_size:
         texts = generate(model, tok, ids, sampler=sampler, gen_length=answer_length,
                          block_length=model.config.block_size).texts
@@ -302,7 +408,7 @@ def evaluate(model, tok, examples, answer_length: int, block_length: int, sample
                               answer_length, block_length)
         texts = [tok.decode(row, skip_special_tokens=True) for row in canvas.tokens[:, canvas.prompt_length:].tolist()]
     model.train()
-    hits: dict[str, list[bool]] = {f: [] for f in FAMILIES}
+    hits: dict[str, list[bool]] = {ex.family: [] for ex in examples}
     for ex, text in zip(examples, texts):
         hits[ex.family].append(score(ex, text))
     acc = {f: sum(h) / len(h) for f, h in hits.items() if h}
@@ -347,7 +453,7 @@ def load_state(state_dir: Path, model, optimizer) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arch", choices=("llada", "dream", "sdar", "dgemma"), required=True)
+    ap.add_argument("--arch", choices=("llada", "dream", "sdar", "dgemma", "wedlm"), required=True)
     ap.add_argument("--out", required=True, help="output Hugging Face directory")
     ap.add_argument("--state", default=None, help="run state directory for resuming (default runs/train-ARCH)")
     ap.add_argument("--steps", type=int, default=4000)
@@ -365,14 +471,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mix", default="copy:1,reverse:1,sort:2,count:1.5,add:2",
                     help="sampling weight per family")
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast for the forward and backward")
-    ap.add_argument("--block-size", type=int, default=4,
-                    help="SDAR's attention block (RoPE positions), as the released SDAR chat models")
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="SDAR: its attention block (RoPE positions), default 4 as the released SDAR chat models; "
+                         "WeDLM: its training block, default 16 (at least the window it decodes with)")
     ap.add_argument("--canvas-length", type=int, default=48,
                     help="DiffusionGemma: the canvas, one per answer (the longest answer and its end of turn fit 47)")
     ap.add_argument("--self-conditioning", type=float, default=0.5,
                     help="DiffusionGemma: the share of steps that condition on a first no-grad pass")
     ap.add_argument("--chunks", type=int, default=4,
-                    help="SDAR: forwards per batch, rows grouped by answer length (less padding)")
+                    help="SDAR, WeDLM: forwards per batch, rows grouped by answer length (less padding)")
     ap.add_argument("--block-length", type=int, default=None,
                     help="blocks used by the periodic evaluation (default 32; SDAR: its --block-size)")
     ap.add_argument("--train-per-family", type=int, default=100_000)
@@ -384,6 +491,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
+    args.block_size = args.block_size or (16 if args.arch == "wedlm" else 4)
     for flag in ("block_size", "batch_size", "steps", "eval_every", "save_every"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
@@ -405,7 +513,8 @@ def main(argv: list[str] | None = None) -> None:
     mix = parse_mix(args.mix)
     # trained on single turns (`dllm chat` starts each afresh) of these prompts (others get a notice); a uniform-state
     # model decodes one canvas per answer
-    written = {"multi_turn": False, **training_format([f for f in FAMILIES if mix.get(f, 0) > 0]),
+    lists = [f for f in LIST_FAMILIES if mix.get(f, 0) > 0]  # after the suite's examples, which stay as they were
+    written = {"multi_turn": False, **training_format([f for f in FAMILIES + LIST_FAMILIES if mix.get(f, 0) > 0]),
                **(dict(max_new_tokens=args.canvas_length, block_length=args.canvas_length) if args.arch == "dgemma"
                   else {})}  # generation_config.json, read as the loader reads it
     model.generation_defaults = read_generation_config(written, ARCHITECTURES_BY_NAME[config.arch],
@@ -414,9 +523,9 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
     start = load_state(state_dir, model, optimizer)
 
-    train = make_split("train", args.train_per_family)
+    train = make_split("train", args.train_per_family) + make_split("train", args.train_per_family, families=lists)
     prompts, lengths, answers = encode(tok, args.arch, train, args.answer_length)
-    held_out = [ex for f in FAMILIES for ex in make_split("test", args.eval_per_family, families=[f])]
+    held_out = [ex for f in FAMILIES + tuple(lists) for ex in make_split("test", args.eval_per_family, families=[f])]
     print(f"{args.arch}: {model.config.num_parameters() / 1e6:.2f}M parameters, {len(train)} training examples, "
           f"resuming at step {start}" if start else
           f"{args.arch}: {model.config.num_parameters() / 1e6:.2f}M parameters, {len(train)} training examples")
@@ -442,6 +551,9 @@ def main(argv: list[str] | None = None) -> None:
         with torch.autocast(model.device.type, torch.bfloat16, enabled=args.bf16):
             if args.arch == "sdar":  # block diffusion, the canvas cut per chunk (`chunked_block_diffusion_loss`)
                 loss = chunked_block_diffusion_loss(model, prompts[idx], lengths[idx], answers[idx], g, args.chunks)
+            elif args.arch == "wedlm":
+                loss = wedlm_loss(model, prompts[idx], lengths[idx], answers[idx, :width], g, args.block_size,
+                                  chunks=args.chunks)
             elif args.arch == "dgemma":  # the whole canvas: a uniform-state model decodes all of it
                 self_condition = bool(torch.rand((), generator=g) < args.self_conditioning)
                 loss = uniform_noise_loss(model, prompts[idx], lengths[idx], answers[idx, :args.canvas_length], g,

@@ -42,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "generation_config.json says multi_turn: false, as the shipped tiny models do)")
     c.set_defaults(run=chat_command)
     e = sub.add_parser("eval", help="score a sampler/cache on a task (JSONL per example + summary.json)")
-    e.add_argument("--task", default="synthetic")
+    e.add_argument("--task", default="synthetic",
+                   help="synthetic, synthetic_lists, gsm8k, math500, humaneval, mbpp, parallelbench (the 17 tasks), "
+                        "parallelbench/{waiting_line,text_writing,puzzles} or parallelbench/<group>/<task>")
     e.add_argument("--recipe", default=None, help="a published table's settings (`dllm list recipes`); the flags "
                    "given win over it, --model names the checkpoint's directory")
     add_decoding_flags(e)
@@ -51,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--batch-size", type=int, default=16)
     e.add_argument("--output", default=None, help="directory for results.jsonl and summary.json (resumable)")
     e.add_argument("--data", default=None,
-                   help="the task's records (.jsonl, .jsonl.gz or .json) instead of the packaged copy")
+                   help="the task's records (.jsonl, .jsonl.gz or .json) instead of the packaged copy; parallelbench: "
+                        "a checkout of furiosa-ai/ParallelBench (or set DLLM_PARALLELBENCH_DIR)")
     e.add_argument("--num-fewshot", type=int, default=None, help="examples before each question (default: the task's)")
     e.add_argument("--gold", action="store_true", help="score the dataset's reference solutions (no model)")
     e.add_argument("--sweep", action="append", default=[], metavar="KEY=VALUE[,...]",

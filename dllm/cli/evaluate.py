@@ -33,9 +33,9 @@ def _run_eval(args) -> int:
 
     from dllm.eval.harness import evaluate
     from dllm.eval.sweep import run_sweep, table
-    from dllm.eval.tasks import get_task
+    from dllm.eval.tasks import SUITES, get_task
 
-    get_task(args.task)
+    own_lengths = args.task in SUITES or get_task(args.task).gen_length is not None
     if args.tensor_parallel > 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise DllmError("dllm eval --tensor-parallel starts its ranks itself, and accelerate launch or torchrun "
                         "runs it data-parallel; run it as one plain process")
@@ -51,7 +51,10 @@ def _run_eval(args) -> int:
         device = f"cuda:{state.local_process_index}" if args.device == "cuda" else args.device  # one GPU each
         model, tok = load_model(args, device)
         settings = settings_from(args, model, policies)
-        decode_args = dict(**settings.lengths, **settings.guidance.config(), seed=args.seed, chat=args.chat,
+        lengths = settings.lengths
+        if own_lengths and args.gen_length != "auto":  # the task's answer lengths unless the flags set them
+            lengths = dict(gen_length=args.gen_length, block_length=args.block_length, steps=args.steps)
+        decode_args = dict(**lengths, **settings.guidance.config(), seed=args.seed, chat=args.chat,
                            model_name=args.model, compile=args.compile, recipe=args.recipe, **data_args)
         if args.sweep:
             if not args.output:
@@ -75,6 +78,8 @@ def _run_eval(args) -> int:
     else:
         speed = "" if args.gold else (f" | forwards/example {summary['nfe_mean']:.1f} | tokens/forward "
                                       f"{summary['tpf']:.2f} | {summary['tokens_per_second']:.1f} tokens/s")
+        if own_lengths and not args.gold:
+            speed += f" | tokens/step (answer canvas per forward) {summary['tps_canvas']:.2f}"
         print(f"{summary['task']}: accuracy {summary['accuracy']:.3f} on {summary['n']}{speed}")
         if args.recipe:
             from dllm.eval.recipes import get_recipe
@@ -82,7 +87,9 @@ def _run_eval(args) -> int:
             print(f"    recipe {args.recipe}: published {published['metric']} {published['value']} "
                   f"({published['source']})")
         for name, acc in list(summary["accuracy_by_metric"].items())[1:]:
-            print(f"    {name}: {acc:.3f}")
+            print(f"    {name}: {'unavailable' if acc is None else f'{acc:.3f}'}")
+        if summary["metrics_unavailable"]:
+            print(f"    not computed (their tools are not set up): {', '.join(summary['metrics_unavailable'])}")
         for group, acc in summary["per_group_accuracy"].items():
             print(f"    {group}: {acc:.3f}")
     return 0

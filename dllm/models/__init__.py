@@ -1,12 +1,12 @@
-"""Native LLaDA, Dream, SDAR, LLaDA2, LLaDA-MoE, Fast-dLLM v2 and Nemotron-Labs-Diffusion networks: one transformer,
-one checkpoint-name table per architecture; DiffusionGemma's two-mode Gemma 4 network (`gemma.py`) beside it."""
-from . import diffusion_gemma, dream, fast_dllm_v2, llada, llada2, llada_moe, nemotron_diffusion, sdar
+"""Native LLaDA, Dream, SDAR, LLaDA2, LLaDA-MoE, Fast-dLLM v2, Nemotron-Labs-Diffusion and WeDLM networks: one
+transformer, one checkpoint-name table per architecture; DiffusionGemma's two-mode Gemma 4 network (`gemma.py`) beside it."""
+from . import diffusion_gemma, dream, fast_dllm_v2, llada, llada2, llada_moe, nemotron_diffusion, sdar, wedlm
 from .moe import MoEConfig
 from .transformer import DiffusionLM, KVAccess, ModelConfig, Rows
 
 ARCHITECTURES_BY_NAME = {"llada": llada, "dream": dream, "sdar": sdar, "llada2": llada2, "llada_moe": llada_moe,
                          "fast_dllm_v2": fast_dllm_v2, "nemotron_diffusion": nemotron_diffusion,
-                         "diffusion_gemma": diffusion_gemma}  # by ModelConfig.arch
+                         "diffusion_gemma": diffusion_gemma, "wedlm": wedlm}  # by ModelConfig.arch
 PRESETS = {name: cfg for arch in ARCHITECTURES_BY_NAME.values() for name, cfg in arch.PRESETS.items()}
 
 

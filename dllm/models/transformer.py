@@ -1,10 +1,10 @@
 """The pre-norm transformer shared by every architecture (LLaDA, Dream, SDAR, LLaDA2, LLaDA-MoE, Fast-dLLM v2,
-Nemotron-Labs-Diffusion).
+Nemotron-Labs-Diffusion, WeDLM).
 
-All are Llama-shaped (RMSNorm, rotate-half RoPE, SwiGLU, untied head) run without a causal mask; they differ in
-q/k/v bias, GQA, per-head q/k norm, partial RoPE, YaRN RoPE and a per-position query scale, MoE feed-forward
-layers (`moe.py`), block-causal or causal-prefix attention and Dream's AR-style logit shift (spec `models.md`
-sections 3-4, `block_diffusion_moe.md`, `new_families.md`). The
+All are Llama-shaped (RMSNorm, rotate-half RoPE, SwiGLU, untied head), most run without a causal mask; they differ
+in q/k/v bias, GQA, per-head q/k norm, partial RoPE, YaRN RoPE and a per-position query scale, MoE feed-forward
+layers (`moe.py`), block-causal, causal-prefix or causal attention and Dream's AR-style logit shift (spec
+`models.md` sections 3-4, `block_diffusion_moe.md`, `new_families.md`, `wedlm.md`). The
 forward computes only the *active* canvas rows chosen by the cache policy, lets the cache supply keys and
 values of every other row (`KVAccess`), and projects the head only on the rows whose logits are needed.
 """
@@ -56,6 +56,8 @@ class ModelConfig:
     causal_prefix: bool = False  # decoded positions attend causally; the positions being decoded (a step's logit
     # window) see each other and everything before them (Nemotron-Labs-Diffusion: causal commit, bidirectional
     # denoising)
+    causal: bool = False  # plain causal attention (WeDLM): a query sees the keys whose rank is at most its own, the
+    # ranks `visible_keys` is given (positions; WeDLM's window ranks filled slots before masks, spec `wedlm.md` 1.4)
 
     def __post_init__(self):
         """Refuse values that would build a broken network (a config.json with a wrong, zero or null field)."""
@@ -78,8 +80,8 @@ class ModelConfig:
             beta, length = self.query_scale
             if not beta >= 0 or isinstance(length, bool) or not isinstance(length, int) or length < 1:
                 raise ValueError(f"the query scale needs beta >= 0 and a positive length, got {self.query_scale!r}")
-        if self.causal_prefix and self.block_size:
-            raise ValueError("a network is either block-causal (block_size) or causal-prefix, not both")
+        if self.causal_prefix + bool(self.block_size) + self.causal > 1:
+            raise ValueError("a network is one of block-causal (block_size), causal-prefix or causal, not several")
         # (stop ids are not checked: one outside the vocabulary never stops a row)
         ids = [] if self.mask_id is None else [("mask token id", self.mask_id)]
         for name, value in [*ids, ("pad token id", self.pad_id), ("eos token id", self.filler_id)]:
@@ -103,8 +105,9 @@ class ModelConfig:
     @property
     def decoded_keys_fixed(self) -> bool:
         """A decoded block's keys and values stop changing once the next block starts (block-causal or
-        causal-prefix attention): the exact `block` cache applies, caches choosing rows for full attention do not."""
-        return bool(self.block_size) or self.causal_prefix
+        causal-prefix or causal attention): the exact `block` cache applies, caches choosing rows for full attention
+        do not."""
+        return bool(self.block_size) or self.causal_prefix or self.causal
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer >= self.moe.dense_layers
@@ -273,7 +276,10 @@ def visible_keys(cfg: ModelConfig, query_positions: Tensor, key_positions: Tenso
     block-causal model (SDAR) only keys whose block (position // block_size) is not after the query's; on a
     causal-prefix model given the positions being decoded, `window` = (first, end) `[B]`, keys up to the query's
     own position, and for a query inside the window every key before the window's end (without a window the
-    whole canvas is being decoded: every key)."""
+    whole canvas is being decoded: every key); on a causal model keys whose position (rank) is at most the query's."""
+    if cfg.causal:
+        seen = key_positions[:, None, None, :] <= query_positions[:, None, :, None]
+        return seen if key_mask is None else seen & key_mask
     if cfg.causal_prefix and window is not None:
         first, end = (bound[:, None, None, None] for bound in window)
         q, k = query_positions[:, None, :, None], key_positions[:, None, None, :]

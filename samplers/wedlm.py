@@ -1,0 +1,59 @@
+"""WeDLM's fill rule (Liu et al., arXiv 2512.22737, streaming parallel decoding; Tencent/WeDLM
+`wedlm/engine/sampler.py`, spec `wedlm.md` 2.3): which masks of the sliding window to fill in one step, and the
+greedy token of each.
+
+A mask's score is its entropy plus `pos_penalty` times its distance in slots from the window's first mask; every
+mask scoring strictly below `entropy_threshold` is filled, and when none does (or the threshold is None) the single
+lowest score, so each step fills at least one. As the authors' engine, the entropy is computed from the raw logits
+(no temperature) in the logits' own dtype: bf16 on real checkpoints, where it differs from the float32 entropy by up
+to ~0.06 nats (spec section 7, question 3); pass float32 logits for the float32 rule.
+
+Not registered as a sampler yet: it needs the window layout (W live slots after each row's committed prefix, filled
+slots before masks), which the loop does not have; the integration step registers it with that layout."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .base import per_row
+
+WINDOW_SIZE = 16  # the engine's `wedlm_window_size`
+ENTROPY_THRESHOLD = 0.4  # `SamplingParams.wedlm_entropy_threshold`
+POS_PENALTY = 0.02  # `SamplingParams.wedlm_pos_penalty_factor`
+
+
+def logits_dtype_entropy(logits: Tensor) -> Tensor:
+    """Entropy (nats) of softmax(logits) over the last dimension, computed in the logits' dtype as torch's
+    `Categorical(logits=...).entropy()` computes it, which is what the authors' sampler calls."""
+    return torch.distributions.Categorical(logits=logits, validate_args=False).entropy()
+
+
+def wedlm_fills(logits: Tensor, eligible: Tensor, positions: Tensor, entropy_threshold: Any = ENTROPY_THRESHOLD,
+                pos_penalty: Any = POS_PENALTY) -> Tensor:
+    """The masks to fill this step, `[B, C]` bool.
+
+    logits `[B, C, V]`: each candidate mask's own row; eligible `[B, C]`: the masks of the row's window; positions
+    `[B, C]`: their canvas positions (the distance is counted from each row's first eligible position, the window's
+    first mask). `entropy_threshold` (None: one fill per step) and `pos_penalty` are numbers or per-row `[B]`
+    tensors (`stack_rows`, NaN for a row's None). The score `entropy + pos_penalty * distance` adds a float32
+    distance term to the entropy in the logits' dtype (bf16 logits give a float32 score, as the authors'); ties
+    of the fallback go to the first candidate. A row with no eligible mask fills nothing."""
+    entropy = logits_dtype_entropy(logits)
+    first = positions.masked_fill(~eligible, torch.iinfo(positions.dtype).max).min(1, keepdim=True).values
+    distance = (positions - first).float()
+    score = (entropy + per_row(pos_penalty, distance) * distance).masked_fill(~eligible, float("inf"))
+    if entropy_threshold is None:
+        fill = torch.zeros_like(eligible)
+    else:
+        fill = eligible & (score < per_row(entropy_threshold, score))
+    fallback = ~fill.any(1) & eligible.any(1)
+    best = torch.zeros_like(eligible).scatter(1, score.argmin(1, keepdim=True), True)
+    return fill | (best & fallback[:, None])
+
+
+def greedy_tokens(logits: Tensor) -> Tensor:
+    """The authors' temperature-0 token, `[B, C]`: the argmax of softmax(logits) in the logits' dtype, which is
+    the logits' argmax except where rounding makes two probabilities equal (the lower id wins)."""
+    return logits.softmax(-1).argmax(-1)
