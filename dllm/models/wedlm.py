@@ -4,7 +4,8 @@ before its masks with their true RoPE positions (spec `wedlm.md` sections 1-2). 
 q/k/v biases (WeDLM-7B) or Qwen3's per-head q/k norms (WeDLM-8B), as `attention_bias` and `qk_norm` say."""
 from __future__ import annotations
 
-from . import dream, sdar
+import dllm.models.dream as dream
+import dllm.models.sdar as sdar
 from .transformer import ModelConfig, end_ids
 
 MODEL_TYPE = "wedlm"
