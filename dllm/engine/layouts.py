@@ -77,6 +77,10 @@ class Layout:
         """The columns whose logits a step's forward returns (the loop reads `[lo, hi)` of them)."""
         return lo, hi
 
+    def eligible(self, batch, ctx: StepContext) -> Tensor:
+        """`[B, C]` the positions the step may commit: the block's masks (`ctx.eligible`)."""
+        return ctx.eligible
+
     def block_end(self, batch, ctx: StepContext) -> int:
         """Where the block ends, chosen by the sampler with the block's first forward (AdaBlock's `block_end`); `ctx`
         follows it."""
@@ -216,3 +220,88 @@ def end_column(batch, b: int) -> int:
 def _spliced(t: Tensor, at: int, count: int, fill) -> Tensor:
     """`t` with `count` rows of `fill` inserted before row `at`."""
     return torch.cat((t[:at], t.new_full((count, *t.shape[1:]), fill), t[at:]))
+
+
+class SlidingWindow(Layout):
+    """WeDLM's streaming window (spec `wedlm.md` 2.7, 5), for a sampler that `slides`: a row's answer is
+    `max_tokens + W - 1` slots (the window runs W - 1 past the last answer token) with a filled flag of their own
+    (`Canvas.uncommitted`: a predicted mask id is a token); each step a row may fill the unfilled slots of
+    `[f, f + W)`, f its first unfilled slot, and the leading filled run before f is final (its keys and values are a
+    causal forward's: the `frontier` cache keeps them). A row ends, without another forward, once a stop token lies
+    before f (stop_early) or f has passed `max_tokens` slots; its answer is cut there. The whole answer is one
+    block of the loop whose columns follow the windows: `[min f, max f + W)` over the open rows."""
+
+    joins_between_blocks = False
+
+    def place(self, batch, prompt: list[int], gen_length, sampler: Sampler) -> tuple[int, int, int | None]:
+        if isinstance(gen_length, Daedal):
+            raise DllmError(f"sampler {sampler.name!r} decodes max_tokens (gen_length) in a sliding window, not "
+                            f"gen_length auto; give gen_length a number")
+        slots = gen_length + int(sampler.window_size) - 1
+        Canvas.check(batch.model, [prompt], slots)
+        return len(prompt), slots, None
+
+    def window(self, batch) -> tuple[int, int]:
+        canvas = batch.canvas
+        if canvas.uncommitted is None:  # a fresh canvas: every answer slot unfilled
+            canvas.uncommitted = canvas.answer & (canvas.tokens == canvas.mask_id)
+        self.sizes = torch.tensor([int(row.sampler.window_size) for row in batch.rows], device=canvas.tokens.device)
+        self.max_tokens = torch.tensor([row.gen_length for row in batch.rows], device=canvas.tokens.device
+                                       ) - self.sizes + 1
+        return self.columns(batch)
+
+    def fronts(self, batch) -> Tensor:
+        """[B] each row's first unfilled answer column (its answer's end when none)."""
+        canvas = batch.canvas
+        column = torch.arange(canvas.tokens.shape[1], device=canvas.tokens.device)
+        return torch.where(canvas.uncommitted, column, canvas.gen_end[:, None]).amin(1)
+
+    def columns(self, batch) -> tuple[int, int]:
+        """The columns of the open rows' windows, `[min f, max f + W)` (one read of the device)."""
+        fronts, open_rows = self.fronts(batch), batch.unfinished
+        if not bool(open_rows.any()):
+            return batch.canvas.prompt_length, batch.canvas.prompt_length
+        lo = int(fronts[open_rows].min())
+        hi = int((fronts + self.sizes)[open_rows].max())
+        return lo, min(hi, batch.canvas.tokens.shape[1])
+
+    def eligible(self, batch, ctx: StepContext) -> Tensor:
+        """Each row's masks in its own window `[f, f + W)`: f is its first mask the step sees (`ctx.masked` starts
+        at the batch's first front, so every open row's front is in it)."""
+        first = torch.where(ctx.masked, ctx.positions, batch.canvas.tokens.shape[1]).amin(1, keepdim=True)
+        return ctx.masked & (ctx.positions < first + self.sizes[:, None])
+
+    def block_end(self, batch, ctx: StepContext) -> int:
+        return ctx.block_end
+
+    def after_commit(self, batch, ctx: StepContext, out: Commit, commit: Tensor) -> tuple[int, int]:
+        """Rows whose front has passed `max_tokens` slots end (their slots from there on become the filler); the
+        next step's columns."""
+        canvas = batch.canvas
+        done = batch.unfinished & (self.fronts(batch) - canvas.gen_start >= self.max_tokens)
+        column = torch.arange(canvas.tokens.shape[1], device=canvas.tokens.device)
+        past = done[:, None] & (column >= (canvas.gen_start + self.max_tokens)[:, None]) & canvas.answer
+        canvas.tokens.masked_fill_(past, batch.model.config.filler_id)
+        batch.set_finished(batch.finished | done)
+        return self.columns(batch)
+
+    def finish(self, batch, start: int, block_over: bool) -> None:
+        """A stop token before a row's front ends it (the authors' engine spends one more forward on it)."""
+        canvas = batch.canvas
+        column = torch.arange(canvas.tokens.shape[1], device=canvas.tokens.device)
+        stops = torch.isin(canvas.tokens, canvas.stop_ids) & (column < self.fronts(batch)[:, None]) & canvas.answer
+        batch.set_finished(batch.finished | stops.any(1))
+
+
+def default_layout(sampler: Sampler) -> Layout:
+    """The layout a sampler decodes on when none is given: its sliding window, else fixed blocks."""
+    return SlidingWindow() if sampler.slides else Blocks()
+
+
+def check_layout(sampler: Sampler, layout: Layout) -> None:
+    """A sliding sampler runs on the sliding window only, and only it does (one line naming the fix)."""
+    if sampler.slides and not isinstance(layout, SlidingWindow):
+        raise DllmError(f"sampler {sampler.name!r} decodes in a sliding window; give it layouts.SlidingWindow() (or "
+                        f"no layout)")
+    if isinstance(layout, SlidingWindow) and not sampler.slides:
+        raise DllmError(f"sampler {sampler.name!r} decodes blocks, not a sliding window; use sampler wedlm there")

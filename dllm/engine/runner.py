@@ -92,8 +92,11 @@ class Runner:
         key_positions = positions if self.cache.stores_kv else query_positions
         first = lo if block is None else block[0]
         window = (positions[:, first], positions[:, hi - 1] + 1) if cfg.causal_prefix else None  # decoded now
+        ranks = self._ranks(tokens, positions, every)
+        query_ranks = caches.gather_rows(ranks, rows)
         run = (caches.gather_rows(tokens, rows), query_positions,
-               model.visible_keys(query_positions, key_positions, key_mask, window), kv, rows,
+               model.visible_keys(query_ranks, ranks if self.cache.stores_kv else query_ranks, key_mask, window),
+               kv, rows,
                slots if rows.is_slice else slots.clamp(min=0))
         if extra is not None:
             run = self._with_extra(extra, every, run, key_positions, key_mask, window)
@@ -107,8 +110,9 @@ class Runner:
             logits[slots < 0] = 0.0
         if self.guidance.guided:
             logits = self.guidance.combine(logits.unflatten(0, (batch, 2, copies))).flatten(0, 1)
-        if cfg.mask_id is not None:
-            set_column(logits, cfg.mask_id, float("-inf"), model.tp)  # a committed position must never stay masked
+        if cfg.mask_id is not None and canvas.uncommitted is None:  # a committed position must never stay masked
+            # (where a flag says what is committed, WeDLM's window, the mask id is a token like any other)
+            set_column(logits, cfg.mask_id, float("-inf"), model.tp)
         self.guidance.ban(logits, cfg, model.tp)
         computed = rows.index.shape[-1] if not rows.is_slice else len(range(length)[rows.index])
         counter = self.kv  # drafts' forwards on a fork count into the generation's store
@@ -123,6 +127,17 @@ class Runner:
         self.stats.nfe += 1
         self.stats.full_forwards += int(full)
         return logits
+
+    def _ranks(self, tokens: Tensor, positions: Tensor, every: int) -> Tensor:
+        """What causal attention orders keys by (`visible_keys`): on a causal model (WeDLM, spec `wedlm.md` 1.4) the
+        rank `(not yet committed, position)`, committed tokens before masks, each in position order, as the authors'
+        reordered window; elsewhere the positions."""
+        if not self.model.config.causal:
+            return positions
+        canvas = self.canvas
+        pending = (tokens == canvas.mask_id if canvas.uncommitted is None
+                   else canvas.uncommitted.repeat_interleave(every, 0))
+        return positions + tokens.shape[1] * pending
 
     def _with_extra(self, extra: ExtraRows, every: int, run: tuple, key_positions: Tensor,
                     pad_mask: Tensor | None, window: tuple[Tensor, Tensor] | None) -> tuple:

@@ -71,3 +71,8 @@ PRESETS = {  # Qwen3 layout
                         stop_ids=(151643, 151645), filler_id=151643),
     "wedlm-tiny": _preset(64, 2, 4, 2, 32, 96, 128, max_length=2048),
 }
+
+
+def decoding(cfg: ModelConfig, generation: dict) -> dict:
+    """How the authors decode (`AUTHORS_DECODING`): the sampler `wedlm` at its defaults (the engine's)."""
+    return {"sampler": "wedlm"}
