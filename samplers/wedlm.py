@@ -20,7 +20,7 @@ from torch import Tensor
 
 from dllm.core.params import param
 
-from .base import Commit, Sampler, StepContext, gumbel_argmax, per_row, register
+from .base import Commit, Sampler, StepContext, gumbel_argmax, per_row, register, row_values
 
 WINDOW_SIZE = 16  # the engine's `wedlm_window_size`
 ENTROPY_THRESHOLD = 0.4  # `SamplingParams.wedlm_entropy_threshold`
@@ -89,8 +89,9 @@ class WeDLM(Sampler):
     def step(self, ctx: StepContext) -> Commit:
         positions = ctx.positions.expand_as(ctx.eligible)
         fill = wedlm_fills(ctx.logits, ctx.eligible, positions, self.entropy_threshold, self.pos_penalty)
-        if isinstance(self.temperature, Tensor) or self.temperature:
-            tokens = gumbel_argmax(ctx.logits.float(), self.temperature, ctx.generators)
-        else:
-            tokens = greedy_tokens(ctx.logits)
+        tokens = greedy_tokens(ctx.logits)
+        for b, t in enumerate(row_values(self.temperature, len(tokens))):
+            if t:  # row b's draws: one per mask of its own window, so the same in any batch
+                own = ctx.eligible[b].nonzero()[:, 0]
+                tokens[b, own] = gumbel_argmax(ctx.logits[b, own].float()[None], t, [ctx.generators[b]])[0]
         return Commit(fill, tokens, -logits_dtype_entropy(ctx.logits).float())

@@ -275,22 +275,30 @@ class SlidingWindow(Layout):
         return ctx.block_end
 
     def after_commit(self, batch, ctx: StepContext, out: Commit, commit: Tensor) -> tuple[int, int]:
-        """Rows whose front has passed `max_tokens` slots end (their slots from there on become the filler); the
-        next step's columns."""
+        """Rows whose front has passed `max_tokens` slots end there; the next step's columns."""
         canvas = batch.canvas
-        done = batch.unfinished & (self.fronts(batch) - canvas.gen_start >= self.max_tokens)
-        column = torch.arange(canvas.tokens.shape[1], device=canvas.tokens.device)
-        past = done[:, None] & (column >= (canvas.gen_start + self.max_tokens)[:, None]) & canvas.answer
-        canvas.tokens.masked_fill_(past, batch.model.config.filler_id)
-        batch.set_finished(batch.finished | done)
+        cut = canvas.gen_start + self.max_tokens
+        self.end(batch, batch.unfinished & (self.fronts(batch) >= cut), cut)
         return self.columns(batch)
 
     def finish(self, batch, start: int, block_over: bool) -> None:
-        """A stop token before a row's front ends it (the authors' engine spends one more forward on it)."""
+        """A stop token before a row's front ends it after the stop (the authors' engine spends one more forward)."""
         canvas = batch.canvas
         column = torch.arange(canvas.tokens.shape[1], device=canvas.tokens.device)
         stops = torch.isin(canvas.tokens, canvas.stop_ids) & (column < self.fronts(batch)[:, None]) & canvas.answer
-        batch.set_finished(batch.finished | stops.any(1))
+        first = torch.where(stops, column, canvas.tokens.shape[1]).amin(1)
+        self.end(batch, batch.unfinished & stops.any(1), first + 1)
+
+    @staticmethod
+    def end(batch, done: Tensor, cut: Tensor) -> None:
+        """End the rows `done` `[B]` at the columns `cut` `[B]`: the slots from there on become the filler, and their
+        filled tokens leave the count of generated tokens."""
+        canvas = batch.canvas
+        column = torch.arange(canvas.tokens.shape[1], device=canvas.tokens.device)
+        past = done[:, None] & (column >= cut[:, None]) & canvas.answer
+        batch.stats.gen_tokens -= int((past & ~canvas.uncommitted).sum())
+        canvas.tokens.masked_fill_(past, batch.model.config.filler_id)
+        batch.set_finished(batch.finished | done)
 
 
 def default_layout(sampler: Sampler) -> Layout:

@@ -1,0 +1,124 @@
+"""WeDLM's streaming parallel decoding in the one loop (layouts.SlidingWindow, the sampler wedlm, the frontier
+cache) against the transcription of the authors' engine loop (tests/wedlm_reference.py): the same answer, one
+forward fewer (the engine's commit-only forward at the end, spec `wedlm.md` 2.5, which its own statistic does not
+count either), on a random Qwen3-shaped WeDLM in float64 (float32 differences between the reordered and the ranked
+forward can flip `< tau`); the exact frontier cache equal to recomputing everything with fewer rows computed; a
+batch of unequal prompts equal to each alone; and the refusals."""
+import dataclasses
+
+import pytest
+import torch
+from wedlm_reference import wedlm_reference
+
+import dllm
+from dllm.core.errors import DllmError
+from dllm.engine.decoding import decoded
+from dllm.engine.layouts import Blocks, SlidingWindow
+from dllm.engine.loop import Batch
+from dllm.models import PRESETS
+from dllm.models.loading import build_model, init_random
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
+# (W, tau, lambda): the random model's entropies are 3.9-4.2 nats, so 4.05-4.3 fill some masks of a window and not
+# others; 1e9 fills every mask, None one a step
+SETTINGS = [(1, 0.4, 0.02), (2, None, 0.0), (4, 4.1, 0.01), (4, 1e9, 1.0), (16, 0.4, 0.02), (16, 4.05, 0.0),
+            (16, 4.3, 0.05)]
+
+
+@pytest.fixture(scope="module")
+def model():
+    model = build_model(PRESETS["wedlm-tiny"], "cpu", torch.float64)
+    init_random(model, 1, std=0.2)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return dllm.load("random:wedlm-tiny")[1]
+
+
+def ours(model, prompts, window, tau, lam, max_tokens, cache="frontier", seeds=0):
+    """dllm's decode of `prompts` with the sampler wedlm: the batch (answers, statistics)."""
+    sampler = dllm.samplers.SAMPLERS.create("wedlm", window_size=window, entropy_threshold=tau, pos_penalty=lam)
+    batch = decoded(model, prompts, sampler, dllm.cache.CACHES.create(cache), max_tokens, max_tokens, seed=seeds)
+    return [batch.answer(row) for row in batch.rows], batch.finish()
+
+
+def alone(model, stops):
+    """The model's config with these stop ids (the reference is given the same; the filler, where an answer ends,
+    stays one)."""
+    return dataclasses.replace(model.config, stop_ids=stops)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("max_tokens", [3, 16, 40])  # below, at and far above the window of 16
+def test_the_window_equals_the_authors_loop(model, prompt, max_tokens, monkeypatch):
+    """Every (W, tau, lambda), without a stop and with a stop id the answer holds mid-window: the answer the
+    engine returns (less its stop, which our answers end before), its forwards less one."""
+    config, parallel = model.config, 0
+    for window, tau, lam in SETTINGS:
+        monkeypatch.setattr(model, "config", config)
+        free = wedlm_reference(model, prompt, window, tau, lam, max_tokens, config.stop_ids)
+        for stops in (config.stop_ids, (*config.stop_ids, free.tokens[min(2, len(free.tokens) - 1)])):
+            monkeypatch.setattr(model, "config", alone(model, stops))
+            want = wedlm_reference(model, prompt, window, tau, lam, max_tokens, stops)
+            answers, stats = ours(model, [prompt], window, tau, lam, max_tokens)
+            cut = want.tokens[:-1] if want.tokens[-1] in stops else want.tokens
+            assert (answers[0], stats.nfe) == (cut, want.forwards - 1), (window, tau, lam, stops)
+            assert stats.gen_tokens == len(want.tokens)  # the stop counted, nothing after the answer's end
+            parallel += max(map(len, want.fills)) > 1
+    assert parallel > len(SETTINGS)  # parallel fills, not one a step only
+
+
+def test_the_frontier_cache_computes_w_plus_p_rows(model):
+    """The frontier cache gives the tokens of recomputing everything with fewer rows: per forward the window and
+    the slots committed since the last (W + p rows, the engine's), the first forward the prompt too."""
+    prompt = PROMPTS[0]
+    for window, tau, lam in SETTINGS:
+        none, none_stats = ours(model, [prompt], window, tau, lam, 24, cache="none")
+        frontier, stats = ours(model, [prompt], window, tau, lam, 24)
+        want = wedlm_reference(model, prompt, window, tau, lam, 24, model.config.stop_ids)
+        assert frontier == none and stats.nfe == none_stats.nfe
+        rows = sum(stats.rows_per_layer) // model.config.n_layers
+        assert rows == len(prompt) + sum(want.rows[:stats.nfe]) < sum(none_stats.rows_per_layer)
+
+
+def test_a_batch_of_unequal_prompts_equals_each_alone(model):
+    """Left padding, per-row settings and seeds: each row's answer is its answer alone."""
+    settings = [(16, 0.4, 0.02, 3), (4, 4.1, 0.01, 7), (2, None, 0.0, 5)]
+    prompts = [PROMPTS[0], PROMPTS[1], [3, 4]]
+    samplers = [dllm.samplers.SAMPLERS.create("wedlm", window_size=w, entropy_threshold=tau, pos_penalty=lam,
+                                              temperature=0.7) for w, tau, lam, _ in settings]
+    cache = dllm.cache.CACHES.create("frontier")
+    batch = Batch(model, samplers[0], cache, 20, 20)
+    rows = [batch.add(p, 20, seed, sampler=s) for p, s, (*_, seed) in zip(prompts, samplers, settings)]
+    while batch.running:
+        batch.run_block()
+    for p, s, (*_, seed), row in zip(prompts, samplers, settings, rows):
+        single = Batch(model, s, cache, 20, 20)
+        own = single.add(p, 20, seed)
+        while single.running:
+            single.run_block()
+        assert batch.answer(row) == single.answer(own)
+    assert len({tuple(batch.answer(row)) for row in rows}) == 3
+
+
+def test_the_wedlm_family_decodes_with_wedlm_and_the_frontier_cache(model, tokenizer):
+    got = dllm.generate(model, tokenizer, PROMPTS, gen_length=8, block_length=8)
+    assert (got.sampler["name"], got.cache["name"]) == ("wedlm", "frontier")
+    assert got.sampler["window_size"] == 16 and got.sampler["entropy_threshold"] == 0.4
+    want = [wedlm_reference(model, p, 16, 0.4, 0.02, 8, model.config.stop_ids).tokens for p in PROMPTS]
+    assert got.token_ids == [[t for t in w if t not in model.config.stop_ids] for w in want]
+
+
+def test_refusals(model, tokenizer):
+    llada, llada_tok = dllm.load("random:llada-tiny")
+    with pytest.raises(DllmError, match="sampler 'wedlm' cannot decode llada: .*causal.*use low_confidence"):
+        dllm.generate(llada, llada_tok, ["hi"], sampler="wedlm", gen_length=8, block_length=8)
+    with pytest.raises(DllmError, match="does not follow; use cache frontier"):
+        dllm.generate(model, tokenizer, ["hi"], sampler="wedlm", cache="block", gen_length=8, block_length=8)
+    wedlm, low = (dllm.samplers.SAMPLERS.create(name) for name in ("wedlm", "low_confidence"))
+    with pytest.raises(DllmError, match="give it layouts.SlidingWindow"):
+        Batch(model, wedlm, dllm.cache.CACHES.create("none"), 8, 8, layout=Blocks())
+    with pytest.raises(DllmError, match="use sampler wedlm there"):
+        Batch(model, low, dllm.cache.CACHES.create("none"), 8, 8, layout=SlidingWindow())
