@@ -72,8 +72,7 @@ class WeDLM(Sampler):
     At T > 0 the tokens are drawn from softmax(logits / T) with each row's generator (the authors draw from the
     global RNG after top-k / top-p, which are not offered here)."""
 
-    slides: ClassVar[bool] = True
-    block_local: ClassVar[bool] = False  # its window is not a block
+    slides: ClassVar[bool] = True  # each step a block (`SlidingWindow`), which it decides from alone
     window_size: int = param(WINDOW_SIZE, "W: the masks after the committed prefix a step may fill", ge=1)
     entropy_threshold: float | None = param(ENTROPY_THRESHOLD, "tau: fill every mask whose entropy plus the "
                                             "distance penalty is below this (None: one fill per step)", ge=0.0)

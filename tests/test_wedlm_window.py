@@ -122,3 +122,38 @@ def test_refusals(model, tokenizer):
         Batch(model, wedlm, dllm.cache.CACHES.create("none"), 8, 8, layout=Blocks())
     with pytest.raises(DllmError, match="use sampler wedlm there"):
         Batch(model, low, dllm.cache.CACHES.create("none"), 8, 8, layout=SlidingWindow())
+
+
+def test_a_row_joins_at_any_step(model):
+    """Each step is a block: a row added after some steps of another (the batch laid out anew, the fronts aligned,
+    a fresh frontier store) leaves both answers as they are alone."""
+    sampler, cache = dllm.samplers.SAMPLERS.create("wedlm", window_size=4, entropy_threshold=4.1), \
+        dllm.cache.CACHES.create("frontier")
+    alone = []
+    for prompt in PROMPTS:
+        single = Batch(model, sampler, cache, 24, 24)
+        row = single.add(prompt, 24)
+        while single.running:
+            single.run_block()
+        alone.append(single.answer(row))
+    for steps in (1, 3):
+        batch = Batch(model, sampler, cache, 24, 24)
+        first = batch.add(PROMPTS[0], 24)
+        for _ in range(steps):
+            batch.run_block()
+        assert 0 < len(batch.answer(first)) < 24  # committed tokens, final already
+        assert alone[0][:len(batch.answer(first))] == batch.answer(first)
+        second = batch.add(PROMPTS[1], 24)
+        while batch.running:
+            batch.run_block()
+        assert [batch.answer(first), batch.answer(second)] == alone
+
+
+def test_stream_gives_each_steps_committed_text(model, tokenizer):
+    s = dllm.stream(model, tokenizer, PROMPTS[0], gen_length=24, block_length=24, window_size=4,
+                    entropy_threshold=4.1)
+    pieces = list(s)
+    got = dllm.generate(model, tokenizer, [PROMPTS[0]], gen_length=24, block_length=24, window_size=4,
+                        entropy_threshold=4.1)
+    assert "".join(pieces) == got.texts[0] and s.generation.stats.nfe == got.stats.nfe
+    assert len(pieces) > 2  # not one block: a piece per step that commits

@@ -228,10 +228,10 @@ class SlidingWindow(Layout):
     (`Canvas.uncommitted`: a predicted mask id is a token); each step a row may fill the unfilled slots of
     `[f, f + W)`, f its first unfilled slot, and the leading filled run before f is final (its keys and values are a
     causal forward's: the `frontier` cache keeps them). A row ends, without another forward, once a stop token lies
-    before f (stop_early) or f has passed `max_tokens` slots; its answer is cut there. The whole answer is one
-    block of the loop whose columns follow the windows: `[min f, max f + W)` over the open rows."""
-
-    joins_between_blocks = False
+    before f (stop_early) or f has passed `max_tokens` slots; its answer is cut there. A step is a block of the
+    loop, over the columns of the open rows' windows, `[min f, max f + W)`; it ends at the first front, where rows
+    may join (laid out anew, their fronts aligned; a filled slot that holds the mask id then reads as unfilled, the
+    one way a re-laid canvas differs from the rows alone)."""
 
     def place(self, batch, prompt: list[int], gen_length, sampler: Sampler) -> tuple[int, int, int | None]:
         if isinstance(gen_length, Daedal):
@@ -275,11 +275,14 @@ class SlidingWindow(Layout):
         return ctx.block_end
 
     def after_commit(self, batch, ctx: StepContext, out: Commit, commit: Tensor) -> tuple[int, int]:
-        """Rows whose front has passed `max_tokens` slots end there; the next step's columns."""
+        """Rows whose front has passed `max_tokens` slots end there. Each step is a block of the loop: its tokens
+        before the fronts are final (`dllm.stream` gives them, `dllm serve` streams them) and rows may join before
+        the next (`window` finds its columns); the block ends at the first front."""
         canvas = batch.canvas
         cut = canvas.gen_start + self.max_tokens
         self.end(batch, batch.unfinished & (self.fronts(batch) >= cut), cut)
-        return self.columns(batch)
+        first = self.columns(batch)[0]
+        return first, first
 
     def finish(self, batch, start: int, block_over: bool) -> None:
         """A stop token before a row's front ends it after the stop (the authors' engine spends one more forward)."""

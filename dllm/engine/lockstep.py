@@ -97,11 +97,11 @@ class Lockstep(Batch):
         """Every rank holds the same canvas; rank 0's callback may have calls for the others."""
         return list(step_flags(self.ranks, self.canvas.tokens))
 
-    def _watched(self, flags: list, ctx, out, open_now: list[bool]) -> list[bool]:
+    def _watched(self, flags: list, ctx, out, open_now: list[bool], columns: tuple[int, int]) -> list[bool]:
         ranks_differ, calls = flags
         if calls:  # the other ranks make them now (a cancel closes a row): their open rows read again
             take_calls(self.ranks)
-            open_now = self._open_rows(ctx.block_start, ctx.block_end, out.again).tolist()
+            open_now = self._open_rows(*columns, out.again).tolist()
         if ranks_differ:
             raise DllmError(f"the tensor-parallel ranks hold different tokens after block {self.block} step "
                             f"{ctx.step}; their decisions diverged (a nondeterministic kernel?)")

@@ -383,7 +383,7 @@ class Batch:
                            torch.stack([*checks, *watched])]).tolist()
         batch, ours = len(self.rows), len(flags) - len(watched)
         open_now, (stalled, *diverged) = flags[:batch], flags[batch:ours]
-        open_now = self._watched(flags[ours:], ctx, out, open_now)
+        open_now = self._watched(flags[ours:], ctx, out, open_now, (start, end))
         if stalled:
             raise DllmError(f"sampler {self.sampler.name!r} committed nothing for an unfinished row at block "
                             f"{self.block} step {ctx.step}; a sampler must commit at least one position per row")
@@ -397,7 +397,7 @@ class Batch:
         return []
 
     def _watched(self, flags: list, ctx: samplers_mod.StepContext, out: samplers_mod.Commit,
-                 open_now: list[bool]) -> list[bool]:
-        """What `_watch`'s flags say, once read: the rows still open in the block."""
+                 open_now: list[bool], columns: tuple[int, int]) -> list[bool]:
+        """What `_watch`'s flags say, once read: the rows still open in the block (at the next step's `columns`)."""
         return open_now
 
