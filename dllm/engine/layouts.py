@@ -1,10 +1,10 @@
 """Canvas layouts: where each row's answer sits on the canvas and how it advances, a policy the one loop (`Batch`)
 asks: `place` (a new row's answer), `window` (the columns of the next block), `logit_columns` (whose logits a
-forward returns), `block_end` (where the block ends, once its first forward is read), `after_commit` (after each
-step's commit: the next step's columns) and `finish` (which rows are done). `Blocks` decodes fixed blocks left to
-right; `GrowingCanvas` lets each answer choose its length (DAEDAL). A window that slides every step, its committed
-front leaving the canvas for the K/V store (WeDLM, spec `wedlm.md` section 2.7), moves its columns in
-`after_commit` and ends a row in `finish`."""
+forward returns), `eligible` (which masks a step may commit), `block_end` (where the block ends, once its first
+forward is read), `after_commit` (after each step's commit: the next step's columns) and `finish` (which rows are
+done). `Blocks` decodes fixed blocks left to right; `GrowingCanvas` lets each answer choose its length (DAEDAL);
+`SlidingWindow` slides a window every step, its committed front leaving for the K/V store (WeDLM, spec `wedlm.md`
+section 2.7)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
