@@ -258,12 +258,12 @@ class SlidingWindow(Layout):
 
     def columns(self, batch) -> tuple[int, int]:
         """The columns of the open rows' windows, `[min f, max f + W)` (one read of the device)."""
-        fronts, open_rows = self.fronts(batch), batch.unfinished
-        if not bool(open_rows.any()):
+        fronts, open_rows, width = self.fronts(batch), batch.unfinished, batch.canvas.tokens.shape[1]
+        lo, hi = torch.stack((torch.where(open_rows, fronts, width).min(),
+                              torch.where(open_rows, fronts + self.sizes, 0).max())).tolist()
+        if lo == width:  # no open row
             return batch.canvas.prompt_length, batch.canvas.prompt_length
-        lo = int(fronts[open_rows].min())
-        hi = int((fronts + self.sizes)[open_rows].max())
-        return lo, min(hi, batch.canvas.tokens.shape[1])
+        return lo, min(hi, width)
 
     def eligible(self, batch, ctx: StepContext) -> Tensor:
         """Each row's masks in its own window `[f, f + W)`: f is its first mask the step sees (`ctx.masked` starts
