@@ -157,3 +157,41 @@ def test_stream_gives_each_steps_committed_text(model, tokenizer):
                         entropy_threshold=4.1)
     assert "".join(pieces) == got.texts[0] and s.generation.stats.nfe == got.stats.nfe
     assert len(pieces) > 2  # not one block: a piece per step that commits
+
+
+def test_the_server_streams_each_step_and_takes_a_request_at_any_step(model, tokenizer):
+    """`dllm serve`'s engine: a WeDLM request's tokens arrive step by step (final once committed), a request added
+    two steps after another joins its batch at once, and each answer is its answer alone."""
+    pytest.importorskip("msgspec")
+    from dllm.engine.guidance import Guidance
+    from dllm.serve.messages import Add
+    from dllm.serve.scheduler import Engine
+
+    engine = Engine(model, tokenizer, max_batch=4)
+    sampler = dllm.samplers.SAMPLERS.create("wedlm", window_size=4, entropy_threshold=4.1)
+    got: dict[str, list] = {"r0": [], "r1": []}
+    deltas: dict[str, int] = {"r0": 0, "r1": 0}
+
+    def collect():
+        for d in engine.take():
+            assert d.status == 0 and d.start == len(got[d.req_id])
+            got[d.req_id] += d.token_ids
+            deltas[d.req_id] += bool(d.token_ids)
+
+    def add(req_id, prompt):
+        engine.add(Add(req_id, prompt, 24, 24, 24, sampler.config(), {"name": "frontier"}, Guidance().config(), 0))
+
+    add("r0", PROMPTS[0])
+    for _ in range(2):
+        engine.step()
+        collect()
+    add("r1", PROMPTS[1])
+    engine.step()
+    collect()
+    assert len(engine.groups) == 1 and len(engine.groups[0].batch.rows) == 2  # joined the running batch
+    while engine.busy:
+        engine.step()
+        collect()
+    alone = [ours(model, [p], 4, 4.1, 0.02, 24)[0][0] for p in PROMPTS]
+    assert [got["r0"], got["r1"]] == alone
+    assert deltas["r0"] > 3 and deltas["r1"] > 3
