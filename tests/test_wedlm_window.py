@@ -195,3 +195,27 @@ def test_the_server_streams_each_step_and_takes_a_request_at_any_step(model, tok
     alone = [ours(model, [p], 4, 4.1, 0.02, 24)[0][0] for p in PROMPTS]
     assert [got["r0"], got["r1"]] == alone
     assert deltas["r0"] > 3 and deltas["r1"] > 3
+
+
+def test_a_joining_row_keeps_the_filled_mask_ids_of_the_running_one(model):
+    """A network that predicts the mask id (the spec's trap: the authors' engine outputs it) fills slots with it;
+    a batch laid out anew for a joining row keeps which slots were filled (not `token != mask id`), so the running
+    row's answer is still its answer alone."""
+    import copy
+
+    predicts_mask = copy.deepcopy(model)
+    with torch.no_grad():  # the mask id scores a little above token 95 wherever 95 leads
+        predicts_mask.lm_head.weight[model.config.mask_id] = model.lm_head.weight[95] * 1.02
+    sampler, cache = dllm.samplers.SAMPLERS.create("wedlm", window_size=4, entropy_threshold=4.1), \
+        dllm.cache.CACHES.create("frontier")
+    alone = [ours(predicts_mask, [p], 4, 4.1, 0.02, 24)[0][0] for p in PROMPTS]
+    assert model.config.mask_id in alone[0]
+    for steps in (3, 5, 7):
+        batch = Batch(predicts_mask, sampler, cache, 24, 24)
+        first = batch.add(PROMPTS[0], 24)
+        for _ in range(steps):
+            batch.run_block()
+        second = batch.add(PROMPTS[1], 24)
+        while batch.running:
+            batch.run_block()
+        assert [batch.answer(first), batch.answer(second)] == alone

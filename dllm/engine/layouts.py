@@ -230,8 +230,7 @@ class SlidingWindow(Layout):
     causal forward's: the `frontier` cache keeps them). A row ends, without another forward, once a stop token lies
     before f (stop_early) or f has passed `max_tokens` slots; its answer is cut there. A step is a block of the
     loop, over the columns of the open rows' windows, `[min f, max f + W)`; it ends at the first front, where rows
-    may join (laid out anew, their fronts aligned; a filled slot that holds the mask id then reads as unfilled, the
-    one way a re-laid canvas differs from the rows alone)."""
+    may join (laid out anew, their fronts aligned, each running row's filled flags kept)."""
 
     def place(self, batch, prompt: list[int], gen_length, sampler: Sampler) -> tuple[int, int, int | None]:
         if isinstance(gen_length, Daedal):
@@ -241,10 +240,23 @@ class SlidingWindow(Layout):
         Canvas.check(batch.model, [prompt], slots)
         return len(prompt), slots, None
 
+    def __init__(self):
+        self.filled_before: tuple[list[Row], list[int], Canvas] | None = None  # the last canvas, its rows and
+        # their first columns: its unfilled flags carry over to a canvas laid out anew
+
     def window(self, batch) -> tuple[int, int]:
         canvas = batch.canvas
-        if canvas.uncommitted is None:  # a fresh canvas: every answer slot unfilled
-            canvas.uncommitted = canvas.answer & (canvas.tokens == canvas.mask_id)
+        if canvas.uncommitted is None:  # a fresh canvas: a new row's answer unfilled, a running row's as it was
+            canvas.uncommitted = canvas.answer.clone()
+            if self.filled_before is not None:
+                rows, firsts, before = self.filled_before
+                unfilled = before.uncommitted
+                for b, row in enumerate(batch.rows):
+                    if row in rows:
+                        i, new = rows.index(row), batch.firsts[b]
+                        canvas.uncommitted[b, new:new + len(row.tokens)] = \
+                            unfilled[i, firsts[i]:firsts[i] + len(row.tokens)]
+        self.filled_before = list(batch.rows), list(batch.firsts), canvas
         self.sizes = torch.tensor([int(row.sampler.window_size) for row in batch.rows], device=canvas.tokens.device)
         self.max_tokens = torch.tensor([row.gen_length for row in batch.rows], device=canvas.tokens.device
                                        ) - self.sizes + 1
