@@ -36,8 +36,8 @@ SHARED = {"prophet": {"answer_start": 2, "base": "threshold"}, "adablock": {"del
 FIXED = {"speculative": {"temperature"}, "adablock": {"delimiter_threshold"}}  # lossless only greedy; see above
 PRESET = {"joint_threshold_indel": "llada2.2-tiny", "nemotron": "nemotron-diffusion-tiny",  # writes the delete and split tokens of an insert/delete model
           "entropy_bound": "diffusion-gemma-tiny",  # denoises a uniform-state canvas
-          "klass": "dream-tiny",
-          "wedlm": "wedlm-tiny"}  # its sliding window runs on a causal model  # its top_p is Dream's (LLaDA's per-row settings: tests/test_klass.py)
+          "klass": "dream-tiny",  # its top_p is Dream's (LLaDA's per-row settings: tests/test_klass.py)
+          "wedlm": "wedlm-tiny"}  # its sliding window runs on a causal model
 NAMES = [cls.name for cls in samplers.SAMPLERS]
 
 

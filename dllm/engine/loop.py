@@ -376,8 +376,9 @@ class Batch:
 
     def _open_rows_checked(self, ctx: samplers_mod.StepContext, out: samplers_mod.Commit,
                            checks: list[Tensor], start: int, end: int) -> list[bool]:
-        """The rows still open in the block (its columns `[start, end)` for the next step), read with the step's checks in one wait for the device; a sampler
-        that stalled or committed other tokens than its verified draft is an error."""
+        """The rows still open in the block (at the next step's columns `[start, end)`), read with the step's checks in
+        one wait for the device; a sampler that stalled or committed other tokens than its verified draft is an
+        error."""
         watched = self._watch()
         flags = torch.cat([self._open_rows(start, end, out.again),
                            torch.stack([*checks, *watched])]).tolist()
