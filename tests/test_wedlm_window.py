@@ -219,3 +219,13 @@ def test_a_joining_row_keeps_the_filled_mask_ids_of_the_running_one(model):
         while batch.running:
             batch.run_block()
         assert [batch.answer(first), batch.answer(second)] == alone
+
+
+def test_block_wise_decoding_is_exact_with_the_frontier_and_block_caches(model, tokenizer):
+    """Other samplers decode a WeDLM in blocks under the same rank rule (masks of the block see its filled tokens
+    wherever they are): the frontier and block caches give the tokens of recomputing everything, with fewer rows."""
+    runs = {cache: dllm.generate(model, tokenizer, PROMPTS, sampler="low_confidence", cache=cache, gen_length=16,
+                                 block_length=4, steps=8, chat=False) for cache in ("none", "frontier", "block")}
+    assert runs["frontier"].token_ids == runs["block"].token_ids == runs["none"].token_ids
+    rows = {cache: sum(run.stats.rows_per_layer) for cache, run in runs.items()}
+    assert rows["frontier"] < rows["none"] and rows["block"] < rows["none"]
