@@ -228,6 +228,8 @@ class Cache(Params):
     reads_model_outputs: ClassVar[bool] = False  # plans from the model's attention and predictions (d2Cache)
     block_fresh: ClassVar[bool] = False  # recomputes every row at each block start: nothing in the store outlives
     # a block, so a batch can be laid out anew between blocks (rows joining and leaving, `dllm serve`)
+    follows_window: ClassVar[bool] = False  # exact on WeDLM's sliding window, whose columns move every step
+    # (`engine.layouts.SlidingWindow`): it recomputes every column a step may have filled since its last forward
     keeps_final_blocks: ClassVar[bool] = False  # its store's `final`: the columns before it hold final keys and
     # values of whole blocks, and a fresh store computes from there (`block`), so `PrefixBlocks` can fill and keep them
 

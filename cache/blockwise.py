@@ -29,6 +29,7 @@ class NoCache(Cache):
     compiles: ClassVar[bool] = True
     covers_window: ClassVar[bool] = True
     block_fresh: ClassVar[bool] = True
+    follows_window: ClassVar[bool] = True
 
     def active_rows(self, step, start, end, length, shift):
         return slice(0, length)
@@ -91,4 +92,31 @@ class BlockCache(Cache):
         first = kv.final if plan.step == 0 else plan.start
         if plan.step == 0:
             kv.final = plan.start
+        return Rows(slice(max(min(first, plan.lo - plan.shift), 0), max(plan.end, plan.hi)))
+
+
+@register("frontier")
+@dataclass
+class FrontierCache(Cache):
+    """The exact cache of causal models (WeDLM; spec `wedlm.md` 5 item 5): a token whose every predecessor is
+    committed sees only committed tokens, so its keys and values, computed in a forward planned then, are final.
+    Each forward computes from the frontier (the previous forward's first column, where every row's first
+    uncommitted position was at or after it) to the window's end, `W + p` rows per step of WeDLM's window; the first
+    forward of a fresh store computes everything before the window's end. Equal to recomputing everything every
+    step (fixed blocks too)."""
+
+    compiles: ClassVar[bool] = True
+    covers_window: ClassVar[bool] = True
+    verifies_drafts: ClassVar[bool] = True
+    block_fresh: ClassVar[bool] = True
+    block_causal_only: ClassVar[bool] = True
+    follows_window: ClassVar[bool] = True
+
+    def new_kv(self, model, batch: int, length: int, allocate=zeros) -> KVStore:
+        kv = super().new_kv(model, batch, length, allocate)
+        kv.frontier = 0  # rows before this hold final keys and values
+        return kv
+
+    def plan(self, kv: KVStore, plan: PlanContext) -> Rows:
+        first, kv.frontier = kv.frontier, min(plan.start, plan.lo)
         return Rows(slice(max(min(first, plan.lo - plan.shift), 0), max(plan.end, plan.hi)))

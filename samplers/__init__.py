@@ -10,6 +10,6 @@ from .daedal import Daedal
 # registers the built-in samplers, in order
 from . import (llada, fastdllm, dream, credit, localleap, prophet, adablock, hierarchy, speculative,  # noqa: F401,I001
                block_diffusion, indel, entropy_bound, eb_sampler, dus, klass, pc_sampler, wino,
-               certainty_prior)
+               certainty_prior, wedlm)
 
 __all__ = ["SAMPLERS", "Commit", "Daedal", "ExtraRows", "Sampler", "StepContext", "register", "stack_rows"]

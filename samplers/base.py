@@ -117,6 +117,8 @@ class Sampler(Params):
     # `token_probability`, `token_entropy`, `tempered`), indexing of positions, `.argmax(-1)` and `.topk(k, -1)`:
     # on a tensor-parallel model it gets each rank's vocabulary columns (`ShardedLogits`, statistics merged over the
     # ranks) instead of the whole logits gathered on every rank
+    slides: ClassVar[bool] = False  # decodes in a window that slides every step (WeDLM), on
+    # `engine.layouts.SlidingWindow`, the only layout it runs on
     temperature: float = param(0.0, "sampling temperature (0 = greedy)", ge=0.0)
 
     def step(self, ctx: StepContext) -> Commit:

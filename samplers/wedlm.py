@@ -8,16 +8,19 @@ lowest score, so each step fills at least one. As the authors' engine, the entro
 (no temperature) in the logits' own dtype: bf16 on real checkpoints, where it differs from the float32 entropy by up
 to ~0.06 nats (spec section 7, question 3); pass float32 logits for the float32 rule.
 
-Not registered as a sampler yet: it needs the window layout (W live slots after each row's committed prefix, filled
-slots before masks), which the loop does not have; the integration step registers it with that layout."""
+The sampler `wedlm` applies it on the window layout (`engine.layouts.SlidingWindow`: W live slots after each row's
+committed prefix, filled slots ranked before masks), the only layout it runs on, and only on a causal model."""
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from .base import per_row
+from dllm.core.params import param
+
+from .base import Commit, Sampler, StepContext, gumbel_argmax, per_row, register, row_values
 
 WINDOW_SIZE = 16  # the engine's `wedlm_window_size`
 ENTROPY_THRESHOLD = 0.4  # `SamplingParams.wedlm_entropy_threshold`
@@ -57,3 +60,37 @@ def greedy_tokens(logits: Tensor) -> Tensor:
     """The authors' temperature-0 token, `[B, C]`: the argmax of softmax(logits) in the logits' dtype, which is
     the logits' argmax except where rounding makes two probabilities equal (the lower id wins)."""
     return logits.softmax(-1).argmax(-1)
+
+
+@register("wedlm")
+@dataclass
+class WeDLM(Sampler):
+    """WeDLM's streaming parallel decoding (arXiv 2512.22737; spec `wedlm.md` 2.3, 5): each step fills the masks of
+    each row's window `[f, f + window_size)` (f its first unfilled slot) whose entropy plus `pos_penalty` times the
+    distance from f is below `entropy_threshold`, else the lowest-scoring one; the window slides as its leading
+    filled run is committed. Defaults: the authors' engine, except temperature 0 (every example of their README).
+    At T > 0 the tokens are drawn from softmax(logits / T) with each row's generator (the authors draw from the
+    global RNG after top-k / top-p, which are not offered here)."""
+
+    slides: ClassVar[bool] = True  # each step a block (`SlidingWindow`), which it decides from alone
+    window_size: int = param(WINDOW_SIZE, "W: the masks after the committed prefix a step may fill", ge=1)
+    entropy_threshold: float | None = param(ENTROPY_THRESHOLD, "tau: fill every mask whose entropy plus the "
+                                            "distance penalty is below this (None: one fill per step)", ge=0.0)
+    pos_penalty: float = param(POS_PENALTY, "lambda: nats added per slot of distance from the window's first mask",
+                               ge=0.0)
+
+    def check_model(self, config) -> str | None:
+        if super().check_model(config) is None and not getattr(config, "causal", False):
+            return ("it decodes WeDLM's sliding window, whose committed tokens must never see later ones (a causal "
+                    "model, a wedlm checkpoint); use low_confidence or threshold")
+        return super().check_model(config)
+
+    def step(self, ctx: StepContext) -> Commit:
+        positions = ctx.positions.expand_as(ctx.eligible)
+        fill = wedlm_fills(ctx.logits, ctx.eligible, positions, self.entropy_threshold, self.pos_penalty)
+        tokens = greedy_tokens(ctx.logits)
+        for b, t in enumerate(row_values(self.temperature, len(tokens))):
+            if t:  # row b's draws: one per mask of its own window, so the same in any batch
+                own = ctx.eligible[b].nonzero()[:, 0]
+                tokens[b, own] = gumbel_argmax(ctx.logits[b, own].float()[None], t, [ctx.generators[b]])[0]
+        return Commit(fill, tokens, -logits_dtype_entropy(ctx.logits).float())

@@ -6,7 +6,9 @@
 # MODES=compile runs only them (the table reads every JSON Lines file in OUT, so two calls can fill one table).
 # Then the block-diffusion models with their exact block cache, batch 1 and 8, eager and compiled: random:sdar-8b
 # (block 4; SDAR_MODEL= empty skips it) and the MoE random:llada2-mini (block 32; LLADA2_MODEL= empty skips it),
-# whose floor counts only the experts its forwards read (`dllm bench` measures the fraction).
+# whose floor counts only the experts its forwards read (`dllm bench` measures the fraction). Then WeDLM's streaming
+# window on random:wedlm-8b (Qwen3-8B's shape; WEDLM_MODEL= empty skips it), sampler wedlm with its exact frontier
+# cache (W + p rows a forward; random weights fill one slot a step, so it measures the forward, not the speed-up).
 # Then llada-8b with quantized weights (QUANT, default int8 int4 fp8; QUANT= empty skips them; torchao:
 # pip install '.[quant]'), dual cache, batch 1 and 8, each against the weight-read floor of its own bytes as
 # `dllm bench` counts them (quantized layers, their scales, the bf16 embedding and head); the matmul floor of int8
@@ -20,7 +22,8 @@
 # own: tokens/s, ms per step, weights and K/V bytes per token per rank, collectives and bytes sent per rank per step.
 #
 #   scripts/gpu_bench.sh                         # writes runs/gpu-bench/*.jsonl and prints the Markdown table
-#   MODEL=random:llada-tiny SDAR_MODEL=random:sdar-tiny LLADA2_MODEL=random:llada2-tiny DEVICE=cpu DTYPE=float32 \
+#   MODEL=random:llada-tiny SDAR_MODEL=random:sdar-tiny LLADA2_MODEL=random:llada2-tiny \
+#       WEDLM_MODEL=random:wedlm-tiny DEVICE=cpu DTYPE=float32 \
 #       GEN=64 MODES=eager scripts/gpu_bench.sh
 set -euo pipefail
 MODEL=${MODEL-random:llada-8b}
@@ -31,6 +34,7 @@ OUT=${OUT:-runs/gpu-bench}
 MODES=${MODES:-eager compile}
 SDAR_MODEL=${SDAR_MODEL-random:sdar-8b}
 LLADA2_MODEL=${LLADA2_MODEL-random:llada2-mini}
+WEDLM_MODEL=${WEDLM_MODEL-random:wedlm-8b}
 QUANT=${QUANT-int8 int4 fp8}
 SERVE_MODEL=${SERVE_MODEL-tiny-llada}
 SERVE_REQUESTS=${SERVE_REQUESTS:-32}
@@ -58,6 +62,10 @@ for mode in $MODES; do  # one process per model, cache and mode: one load and on
   if [ -n "$LLADA2_MODEL" ]; then
     dllm bench --model "$LLADA2_MODEL" --device "$DEVICE" --dtype "$DTYPE" --sampler low_confidence --cache block \
       --gen-length "$GEN" --batch-size 1,8 --repeats 1 $flag --json > "$OUT/llada2-$mode-block.jsonl"
+  fi
+  if [ -n "$WEDLM_MODEL" ]; then
+    dllm bench --model "$WEDLM_MODEL" --device "$DEVICE" --dtype "$DTYPE" --sampler wedlm --cache frontier \
+      --gen-length "$GEN" --batch-size 1,8 --repeats 1 $flag --json > "$OUT/wedlm-$mode-frontier.jsonl"
   fi
 done
 if [ -n "$SERVE_MODEL" ]; then  # one engine process beside the HTTP process, each with one CPU thread

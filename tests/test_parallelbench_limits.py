@@ -164,6 +164,7 @@ NOT_DRIVEN = {  # registered samplers the oracle cannot run, and why
     "entropy_bound": "denoises a uniform-state canvas (DiffusionGemma); the oracle is a masked model",
     "joint_threshold_indel": "writes an insert/delete model's delete and split tokens, which copy has no use for",
     "pc_sampler": "needs the model directory's token_frequency.json, which the oracle has none of",
+    "wedlm": "slides WeDLM's window over a causal model; the oracle attends both ways",
 }
 
 

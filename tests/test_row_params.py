@@ -25,7 +25,8 @@ OTHER = {"temperature": 0.7, "threshold": 0.1, "factor": 3.0, "top_p": 0.9, "top
          "max_post_edit_steps": 1, "t_max": 1.2, "t_min": 0.3, "stability": 2, "confidence": 100.0,
          "base": 3, "skip": 2, "kl_threshold": 0.05, "history_length": 3, "position_decay": 1.0,
          "clip": 0.05, "low_threshold": 0.05,
-         "remask_threshold": 0.05, "sigma": 2.0}
+         "remask_threshold": 0.05, "sigma": 2.0,
+         "window_size": 4, "entropy_threshold": 100.0, "pos_penalty": 0.5}  # wedlm: fill the whole window
 # settings every row shares: Prophet exits early (on the threshold rule), AdaBlock keeps fixed blocks (rows of one
 # batch share block ends, so only then is each row its prompt alone), PC-Sampler's table (a random model has no
 # directory), KLASS's thresholds within a random model's reach
@@ -35,7 +36,8 @@ SHARED = {"prophet": {"answer_start": 2, "base": "threshold"}, "adablock": {"del
 FIXED = {"speculative": {"temperature"}, "adablock": {"delimiter_threshold"}}  # lossless only greedy; see above
 PRESET = {"joint_threshold_indel": "llada2.2-tiny", "nemotron": "nemotron-diffusion-tiny",  # writes the delete and split tokens of an insert/delete model
           "entropy_bound": "diffusion-gemma-tiny",  # denoises a uniform-state canvas
-          "klass": "dream-tiny"}  # its top_p is Dream's (LLaDA's per-row settings: tests/test_klass.py)
+          "klass": "dream-tiny",  # its top_p is Dream's (LLaDA's per-row settings: tests/test_klass.py)
+          "wedlm": "wedlm-tiny"}  # its sliding window runs on a causal model
 NAMES = [cls.name for cls in samplers.SAMPLERS]
 
 

@@ -80,13 +80,15 @@ def generate(model: DiffusionLM, tokenizer, prompts, sampler: str | Sampler | No
     """Generate answers for a batch of prompts (strings, or lists of token ids).
 
     `sampler` defaults to the model's (`engine.options.model_sampler`: its generation_config.json's Dream `alg`,
-    else its family's (DiffusionGemma: entropy_bound), else `low_confidence`), and so do its parameters
+    else its family's (DiffusionGemma: entropy_bound; WeDLM: wedlm, whose gen_length is the authors' max_tokens),
+    else `low_confidence`), and so do its parameters
     (`Generation.settings` says where each value came from). `params` go to the sampler or the cache by name (e.g.
     `threshold=0.9`, `temperature=0.5`, `refresh_every=4`); a name both take goes in `sampler_args`/`cache_args`.
     `cfg_scale`, `logits_eos_inf`, `confidence_eos_eot_inf`: LLaDA's generation options, with any sampler
     (`engine.guidance`). Every row draws from its own generator seeded with `seed` (a row equals its prompt
     alone), or with `seed[i]`: several samples of one prompt in one batch take a list of seeds. `cache` defaults
-    to `default_cache(model)` (block-causal and causal-prefix models: `block`; others: `none`). gen_length and
+    to `default_cache(model)` (causal models, WeDLM: `frontier`; block-causal and causal-prefix models: `block`;
+    others: `none`). gen_length and
     block_length default to the model directory's `generation_config.json`, else the family's (DiffusionGemma:
     256 tokens in canvases), else 64 and 32 (or the largest block below 32 that divides gen_length); steps to
     gen_length (one token per step for schedule-driven samplers; DiffusionGemma: max_denoising_steps per
@@ -158,7 +160,7 @@ def stream(model: DiffusionLM, tokenizer, prompt, sampler: str | Sampler | None 
         s.generation.stats.nfe
 
     The tokens are `generate`'s for that prompt (the same loop); a block's text appears once the block is
-    decoded (blocks are final, left to right)."""
+    decoded (blocks are final, left to right; WeDLM's window: each step's committed tokens)."""
     one = isinstance(prompt, str) or isinstance(prompt, (list, tuple, Tensor)) and all(is_token_id(t) for t in prompt)
     if not one:
         raise DllmError(f"stream takes one prompt (a string or a list of token ids), got {prompt!r}; "

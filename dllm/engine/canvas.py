@@ -25,8 +25,8 @@ class Canvas:
     answer: Tensor  # [B, L] bool: the columns between them
     stop_ids: Tensor  # the model's stop ids, on the canvas's device
     mask_id: int | None  # a masked model's mask: its positions not yet committed hold it
-    uncommitted: Tensor | None = None  # [B, L] bool: a uniform-state model's positions not yet committed (they hold
-    # random tokens); None on a masked model
+    uncommitted: Tensor | None = None  # [B, L] bool: positions not yet committed, where a flag says so: a
+    # uniform-state model's (they hold random tokens), WeDLM's window (a predicted mask id is a token); else None
     given_up: Tensor | None = None  # [B, L] bool: masks a sampler gave up (`Commit.given_up`): they stay masked and
     # are not pending; None while there are none
 

@@ -68,6 +68,9 @@ def check_policies(model: DiffusionLM, sampler: Sampler, cache: Cache, compile: 
     problem = sampler.check_model(cfg)
     if problem is not None:
         raise DllmError(f"sampler {sampler.name!r} cannot decode {cfg.arch}: {problem}")
+    if sampler.slides and not cache.follows_window:
+        raise DllmError(f"sampler {sampler.name!r} slides its window every step, which cache {cache.name!r} does not "
+                        f"follow; use cache frontier (exact, the default) or none")
     if cache.needs_next_commits and not sampler.commits_known_ahead:
         known = ", ".join(cls.name for cls in samplers_mod.SAMPLERS if cls.commits_known_ahead)
         raise DllmError(f"cache {cache.name!r} needs a sampler whose next commits are known before the forward "

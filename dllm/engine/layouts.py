@@ -1,10 +1,10 @@
 """Canvas layouts: where each row's answer sits on the canvas and how it advances, a policy the one loop (`Batch`)
 asks: `place` (a new row's answer), `window` (the columns of the next block), `logit_columns` (whose logits a
-forward returns), `block_end` (where the block ends, once its first forward is read), `after_commit` (after each
-step's commit: the next step's columns) and `finish` (which rows are done). `Blocks` decodes fixed blocks left to
-right; `GrowingCanvas` lets each answer choose its length (DAEDAL). A window that slides every step, its committed
-front leaving the canvas for the K/V store (WeDLM, spec `wedlm.md` section 2.7), moves its columns in
-`after_commit` and ends a row in `finish`."""
+forward returns), `eligible` (which masks a step may commit), `block_end` (where the block ends, once its first
+forward is read), `after_commit` (after each step's commit: the next step's columns) and `finish` (which rows are
+done). `Blocks` decodes fixed blocks left to right; `GrowingCanvas` lets each answer choose its length (DAEDAL);
+`SlidingWindow` slides a window every step, its committed front leaving for the K/V store (WeDLM, spec `wedlm.md`
+section 2.7)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -76,6 +76,10 @@ class Layout:
     def logit_columns(self, batch, lo: int, hi: int) -> tuple[int, int]:
         """The columns whose logits a step's forward returns (the loop reads `[lo, hi)` of them)."""
         return lo, hi
+
+    def eligible(self, batch, ctx: StepContext) -> Tensor:
+        """`[B, C]` the positions the step may commit: the block's masks (`ctx.eligible`)."""
+        return ctx.eligible
 
     def block_end(self, batch, ctx: StepContext) -> int:
         """Where the block ends, chosen by the sampler with the block's first forward (AdaBlock's `block_end`); `ctx`
@@ -216,3 +220,111 @@ def end_column(batch, b: int) -> int:
 def _spliced(t: Tensor, at: int, count: int, fill) -> Tensor:
     """`t` with `count` rows of `fill` inserted before row `at`."""
     return torch.cat((t[:at], t.new_full((count, *t.shape[1:]), fill), t[at:]))
+
+
+class SlidingWindow(Layout):
+    """WeDLM's streaming window (spec `wedlm.md` 2.7, 5), for a sampler that `slides`: a row's answer is
+    `max_tokens + W - 1` slots (the window runs W - 1 past the last answer token) with a filled flag of their own
+    (`Canvas.uncommitted`: a predicted mask id is a token); each step a row may fill the unfilled slots of
+    `[f, f + W)`, f its first unfilled slot, and the leading filled run before f is final (its keys and values are a
+    causal forward's: the `frontier` cache keeps them). A row ends, without another forward, once a stop token lies
+    before f (stop_early) or f has passed `max_tokens` slots; its answer is cut there. A step is a block of the
+    loop, over the columns of the open rows' windows, `[min f, max f + W)`; it ends at the first front, where rows
+    may join (laid out anew, their fronts aligned, each running row's filled flags kept)."""
+
+    def place(self, batch, prompt: list[int], gen_length, sampler: Sampler) -> tuple[int, int, int | None]:
+        if isinstance(gen_length, Daedal):
+            raise DllmError(f"sampler {sampler.name!r} decodes max_tokens (gen_length) in a sliding window, not "
+                            f"gen_length auto; give gen_length a number")
+        slots = gen_length + int(sampler.window_size) - 1
+        Canvas.check(batch.model, [prompt], slots)
+        return len(prompt), slots, None
+
+    def __init__(self):
+        self.filled_before: tuple[list[Row], list[int], Canvas] | None = None  # the last canvas, its rows and
+        # their first columns: its unfilled flags carry over to a canvas laid out anew
+
+    def window(self, batch) -> tuple[int, int]:
+        canvas = batch.canvas
+        if canvas.uncommitted is None:  # a fresh canvas: a new row's answer unfilled, a running row's as it was
+            canvas.uncommitted = canvas.answer.clone()
+            if self.filled_before is not None:
+                rows, firsts, before = self.filled_before
+                unfilled = before.uncommitted
+                for b, row in enumerate(batch.rows):
+                    if row in rows:
+                        i, new = rows.index(row), batch.firsts[b]
+                        canvas.uncommitted[b, new:new + len(row.tokens)] = \
+                            unfilled[i, firsts[i]:firsts[i] + len(row.tokens)]
+        self.filled_before = list(batch.rows), list(batch.firsts), canvas
+        self.sizes = torch.tensor([int(row.sampler.window_size) for row in batch.rows], device=canvas.tokens.device)
+        self.max_tokens = torch.tensor([row.gen_length for row in batch.rows], device=canvas.tokens.device
+                                       ) - self.sizes + 1
+        return self.columns(batch)
+
+    def fronts(self, batch) -> Tensor:
+        """[B] each row's first unfilled answer column (its answer's end when none)."""
+        canvas = batch.canvas
+        column = torch.arange(canvas.tokens.shape[1], device=canvas.tokens.device)
+        return torch.where(canvas.uncommitted, column, canvas.gen_end[:, None]).amin(1)
+
+    def columns(self, batch) -> tuple[int, int]:
+        """The columns of the open rows' windows, `[min f, max f + W)` (one read of the device)."""
+        fronts, open_rows, width = self.fronts(batch), batch.unfinished, batch.canvas.tokens.shape[1]
+        lo, hi = torch.stack((torch.where(open_rows, fronts, width).min(),
+                              torch.where(open_rows, fronts + self.sizes, 0).max())).tolist()
+        if lo == width:  # no open row
+            return batch.canvas.prompt_length, batch.canvas.prompt_length
+        return lo, min(hi, width)
+
+    def eligible(self, batch, ctx: StepContext) -> Tensor:
+        """Each row's masks in its own window `[f, f + W)`: f is its first mask the step sees (`ctx.masked` starts
+        at the batch's first front, so every open row's front is in it)."""
+        first = torch.where(ctx.masked, ctx.positions, batch.canvas.tokens.shape[1]).amin(1, keepdim=True)
+        return ctx.masked & (ctx.positions < first + self.sizes[:, None])
+
+    def block_end(self, batch, ctx: StepContext) -> int:
+        return ctx.block_end
+
+    def after_commit(self, batch, ctx: StepContext, out: Commit, commit: Tensor) -> tuple[int, int]:
+        """Rows whose front has passed `max_tokens` slots end there. Each step is a block of the loop: its tokens
+        before the fronts are final (`dllm.stream` gives them, `dllm serve` streams them) and rows may join before
+        the next (`window` finds its columns); the block ends at the first front."""
+        canvas = batch.canvas
+        cut = canvas.gen_start + self.max_tokens
+        self.end(batch, batch.unfinished & (self.fronts(batch) >= cut), cut)
+        first = self.columns(batch)[0]
+        return first, first
+
+    def finish(self, batch, start: int, block_over: bool) -> None:
+        """A stop token before a row's front ends it after the stop (the authors' engine spends one more forward)."""
+        canvas = batch.canvas
+        column = torch.arange(canvas.tokens.shape[1], device=canvas.tokens.device)
+        stops = torch.isin(canvas.tokens, canvas.stop_ids) & (column < self.fronts(batch)[:, None]) & canvas.answer
+        first = torch.where(stops, column, canvas.tokens.shape[1]).amin(1)
+        self.end(batch, batch.unfinished & stops.any(1), first + 1)
+
+    @staticmethod
+    def end(batch, done: Tensor, cut: Tensor) -> None:
+        """End the rows `done` `[B]` at the columns `cut` `[B]`: the slots from there on become the filler, and their
+        filled tokens leave the count of generated tokens."""
+        canvas = batch.canvas
+        column = torch.arange(canvas.tokens.shape[1], device=canvas.tokens.device)
+        past = done[:, None] & (column >= cut[:, None]) & canvas.answer
+        batch.stats.gen_tokens -= int((past & ~canvas.uncommitted).sum())
+        canvas.tokens.masked_fill_(past, batch.model.config.filler_id)
+        batch.set_finished(batch.finished | done)
+
+
+def default_layout(sampler: Sampler) -> Layout:
+    """The layout a sampler decodes on when none is given: its sliding window, else fixed blocks."""
+    return SlidingWindow() if sampler.slides else Blocks()
+
+
+def check_layout(sampler: Sampler, layout: Layout) -> None:
+    """A sliding sampler runs on the sliding window only, and only it does (one line naming the fix)."""
+    if sampler.slides and not isinstance(layout, SlidingWindow):
+        raise DllmError(f"sampler {sampler.name!r} decodes in a sliding window; give it layouts.SlidingWindow() (or "
+                        f"no layout)")
+    if isinstance(layout, SlidingWindow) and not sampler.slides:
+        raise DllmError(f"sampler {sampler.name!r} decodes blocks, not a sliding window; use sampler wedlm there")

@@ -16,7 +16,7 @@ from ..models import DiffusionLM, Rows
 from ..models.sharded_logits import full_logits
 from .canvas import Canvas
 from .checks import check_auto_length, check_block_layout, check_guidance, check_policies, check_prefix_cache
-from .layouts import Blocks, GrowingCanvas, Layout, Row
+from .layouts import GrowingCanvas, Layout, Row, check_layout, default_layout
 from .logprobs import Captured, TokenLogprob, check_logprobs
 from .options import LoopOptions
 from .runner import Runner, clock
@@ -35,12 +35,14 @@ class Batch:
     recomputes every row at a block start (`Cache.block_fresh`) and the sampler looks only at the current block
     (`Sampler.block_local`); `joins_between_blocks` says so. A row may bring its own values of the sampler's per-row
     parameters (`add(..., sampler=...)`); the steps see them stacked into `[B]` tensors (`samplers.stack_rows`).
-    `layout` (default `layouts.Blocks`) places the rows' blocks and ends rows; `options`: the switches (`LoopOptions`).
+    `layout` (default: `layouts.default_layout`, fixed blocks or the sampler's sliding window) places the rows'
+    blocks and ends rows; `options`: the switches (`LoopOptions`).
     The host waits for the device once per step and once per block. Tensor parallel: `lockstep.Lockstep`."""
 
     def __init__(self, model: DiffusionLM, sampler: Sampler, cache: Cache, block_length: int, steps_per_block: int,
                  options: LoopOptions | None = None, layout: Layout | None = None):
-        options, layout = options or LoopOptions(), layout or Blocks()
+        options, layout = options or LoopOptions(), layout or default_layout(sampler)
+        check_layout(sampler, layout)
         check_policies(model, sampler, cache, options.compile)
         if isinstance(layout, GrowingCanvas):
             check_auto_length(model, sampler, cache, options.compile, options.guidance)
@@ -291,7 +293,7 @@ class Batch:
         logits, extra_logits = logits[:, :hi - lo], logits[:, hi - lo:] if logits.shape[1] > hi - lo else None
         logits = self.runner.readable(logits, sampler.reads_shards)
         extra_logits = None if extra_logits is None else self.runner.readable(extra_logits, sampler.reads_shards)
-        return samplers_mod.StepContext(
+        ctx = samplers_mod.StepContext(
             logits=logits, eligible=masked & in_block, masked=masked, positions=positions, canvas=canvas.tokens,
             step=step, steps=self.steps_per_block, block=self.block,
             # a row draws random numbers only at its own steps (when it has masks left), as it does alone
@@ -301,6 +303,8 @@ class Batch:
             config=self.model.config, extra_logits=extra_logits,
             unscored=self.unscored,
             forward=partial(self._verify, step, start, end, lo, hi) if sampler.drafts else None)
+        ctx.eligible = self.layout.eligible(self, ctx)
+        return ctx
 
     def _window(self, lo: int, hi: int, start: int, end: int) -> tuple[Tensor, Tensor]:
         """The canvas positions `[lo, hi)` and which of them lie in the block `[start, end)`, made once per window."""

@@ -109,8 +109,11 @@ def _model_sampler(model: DiffusionLM, sampler, sampler_args):
 
 
 def default_cache(model: DiffusionLM) -> str:
-    """The cache used when none is named: on a block-causal or causal-prefix model the exact finished-block cache
-    (the tokens of recomputing everything, far fewer rows computed), else none (the papers' vanilla decoding)."""
+    """The cache used when none is named: on a causal model (WeDLM) the exact frontier cache, on a block-causal or
+    causal-prefix model the exact finished-block cache (each the tokens of recomputing everything, far fewer rows
+    computed), else none (the papers' vanilla decoding)."""
+    if model.config.causal:
+        return "frontier"
     return "block" if model.config.decoded_keys_fixed else "none"
 
 

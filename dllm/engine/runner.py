@@ -92,11 +92,14 @@ class Runner:
         key_positions = positions if self.cache.stores_kv else query_positions
         first = lo if block is None else block[0]
         window = (positions[:, first], positions[:, hi - 1] + 1) if cfg.causal_prefix else None  # decoded now
+        ranks = self._ranks(tokens, positions, every)
+        query_ranks = caches.gather_rows(ranks, rows)
+        key_ranks = ranks if self.cache.stores_kv else query_ranks
         run = (caches.gather_rows(tokens, rows), query_positions,
-               model.visible_keys(query_positions, key_positions, key_mask, window), kv, rows,
+               model.visible_keys(query_ranks, key_ranks, key_mask, window), kv, rows,
                slots if rows.is_slice else slots.clamp(min=0))
         if extra is not None:
-            run = self._with_extra(extra, every, run, key_positions, key_mask, window)
+            run = self._with_extra(extra, every, run, ranks, key_ranks, key_mask, window)
         began = clock(model.device) if self.profile else 0.0
         if self.graphed:
             torch.compiler.cudagraph_mark_step_begin()  # the last replay's outputs are no longer read
@@ -107,8 +110,9 @@ class Runner:
             logits[slots < 0] = 0.0
         if self.guidance.guided:
             logits = self.guidance.combine(logits.unflatten(0, (batch, 2, copies))).flatten(0, 1)
-        if cfg.mask_id is not None:
-            set_column(logits, cfg.mask_id, float("-inf"), model.tp)  # a committed position must never stay masked
+        if cfg.mask_id is not None and canvas.uncommitted is None:  # a committed position must never stay masked
+            # (where a flag says what is committed, WeDLM's window, the mask id is a token like any other)
+            set_column(logits, cfg.mask_id, float("-inf"), model.tp)
         self.guidance.ban(logits, cfg, model.tp)
         computed = rows.index.shape[-1] if not rows.is_slice else len(range(length)[rows.index])
         counter = self.kv  # drafts' forwards on a fork count into the generation's store
@@ -124,22 +128,35 @@ class Runner:
         self.stats.full_forwards += int(full)
         return logits
 
-    def _with_extra(self, extra: ExtraRows, every: int, run: tuple, key_positions: Tensor,
+    def _ranks(self, tokens: Tensor, positions: Tensor, every: int) -> Tensor:
+        """What causal attention orders keys by (`visible_keys`): on a causal model (WeDLM, spec `wedlm.md` 1.4) the
+        rank `(not yet committed, position)`, committed tokens before masks, each in position order, as the authors'
+        reordered window; elsewhere the positions."""
+        if not self.model.config.causal:
+            return positions
+        canvas = self.canvas
+        pending = (tokens == canvas.mask_id if canvas.uncommitted is None
+                   else canvas.uncommitted.repeat_interleave(every, 0))
+        return positions + tokens.shape[1] * pending
+
+    def _with_extra(self, extra: ExtraRows, every: int, run: tuple, ranks: Tensor, key_ranks: Tensor,
                     pad_mask: Tensor | None, window: tuple[Tensor, Tensor] | None) -> tuple:
         """`model.run`'s arguments with the extra rows after the canvas rows: their tokens and positions, the
         key mask over the canvas keys and theirs (no canvas row sees an extra row), their K/V kept out of the
-        store (`ExtraKeys`) and their wanted logits after the window's."""
+        store (`ExtraKeys`) and their wanted logits after the window's. `ranks`: the canvas rows' (`_ranks`), of
+        which an extra row takes its column's."""
         tokens, query_positions, key_mask, kv, rows, logit_rows = run
         model, (n, a) = self.model, tokens.shape
         e = extra.tokens.shape[1]
         extra_positions = self.canvas.positions[:, extra.columns].repeat_interleave(every, 0)
+        extra_ranks = ranks[:, extra.columns]
         sees = extra.sees_canvas if self.cache.stores_kv else extra.sees_canvas[..., rows.index]
         sees_canvas = sees.repeat_interleave(every, 0)[:, None] if len(sees) > 1 else sees[:, None]
-        own = model.visible_keys(extra_positions, key_positions, pad_mask, window)  # what a canvas row there sees
+        own = model.visible_keys(extra_ranks, key_ranks, pad_mask, window)  # what a canvas row there sees
         sees_canvas = sees_canvas if own is None else sees_canvas & own
         padded = self.canvas.key_mask  # an extra row at a padding column is padding too
         padded = None if padded is None else padded[..., extra.columns].repeat_interleave(every, 0)
-        own = model.visible_keys(extra_positions, extra_positions, padded, window)
+        own = model.visible_keys(extra_ranks, extra_ranks, padded, window)
         sees_extra = extra.sees_extra if own is None else extra.sees_extra & own
         canvas_sees = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=model.device) if key_mask is None else key_mask
         width = sees_canvas.shape[-1]  # the canvas keys

@@ -4,7 +4,8 @@ before its masks with their true RoPE positions (spec `wedlm.md` sections 1-2). 
 q/k/v biases (WeDLM-7B) or Qwen3's per-head q/k norms (WeDLM-8B), as `attention_bias` and `qk_norm` say."""
 from __future__ import annotations
 
-from . import dream, sdar
+import dllm.models.dream as dream
+import dllm.models.sdar as sdar
 from .transformer import ModelConfig, end_ids
 
 MODEL_TYPE = "wedlm"
@@ -70,3 +71,8 @@ PRESETS = {  # Qwen3 layout
                         stop_ids=(151643, 151645), filler_id=151643),
     "wedlm-tiny": _preset(64, 2, 4, 2, 32, 96, 128, max_length=2048),
 }
+
+
+def decoding(cfg: ModelConfig, generation: dict) -> dict:
+    """How the authors decode (`AUTHORS_DECODING`): the sampler `wedlm` at its defaults (the engine's)."""
+    return {"sampler": "wedlm"}
