@@ -11,6 +11,7 @@ from ..core.checks import check_int
 from ..core.errors import DllmError
 from ..models import DiffusionLM
 from .guidance import Guidance
+from .layouts import GrowingCanvas, check_layout
 
 if TYPE_CHECKING:
     from ..cache import Cache
@@ -181,3 +182,15 @@ def check_compile(cache: Cache, compile: bool) -> None:
     if compile and not cache.compiles:
         raise DllmError(f"cache {cache.name!r} chooses its rows token by token and runs eagerly; drop --compile "
                         f"(compile=False) or use cache none, prefix, dual or (block-causal models) block")
+
+
+def check_batch(model: DiffusionLM, sampler: samplers_mod.Sampler, cache, block_length: int, options, layout) -> None:
+    """Everything a `Batch` refuses before any work: its layout, sampler and cache on this model, gen_length auto,
+    LLaDA's guidance options, the block layout and the prefix cache (`options`: its `LoopOptions`)."""
+    check_layout(sampler, layout)
+    check_policies(model, sampler, cache, options.compile)
+    if isinstance(layout, GrowingCanvas):
+        check_auto_length(model, sampler, cache, options.compile, options.guidance)
+    check_guidance(model, sampler, cache, options.guidance)
+    check_block_layout(model, block_length)
+    check_prefix_cache(model, cache, options.prefix_cache, options.guidance)

@@ -15,8 +15,8 @@ from ..core.errors import DllmError
 from ..models import DiffusionLM, Rows
 from ..models.sharded_logits import full_logits
 from .canvas import Canvas
-from .checks import check_auto_length, check_block_layout, check_guidance, check_policies, check_prefix_cache
-from .layouts import GrowingCanvas, Layout, Row, check_layout, default_layout
+from .checks import check_batch
+from .layouts import Layout, Row, default_layout
 from .logprobs import Captured, TokenLogprob, check_logprobs
 from .options import LoopOptions
 from .runner import Runner, clock
@@ -42,13 +42,7 @@ class Batch:
     def __init__(self, model: DiffusionLM, sampler: Sampler, cache: Cache, block_length: int, steps_per_block: int,
                  options: LoopOptions | None = None, layout: Layout | None = None):
         options, layout = options or LoopOptions(), layout or default_layout(sampler)
-        check_layout(sampler, layout)
-        check_policies(model, sampler, cache, options.compile)
-        if isinstance(layout, GrowingCanvas):
-            check_auto_length(model, sampler, cache, options.compile, options.guidance)
-        check_guidance(model, sampler, cache, options.guidance)
-        check_block_layout(model, block_length)
-        check_prefix_cache(model, cache, options.prefix_cache, options.guidance)
+        check_batch(model, sampler, cache, block_length, options, layout)
         self.model, self.sampler, self.cache, self.options, self.layout = model, sampler, cache, options, layout
         self.block_length, self.steps_per_block = block_length, steps_per_block
         self.guidance, self.prefix = options.guidance, options.prefix_cache
