@@ -14,7 +14,9 @@ import ipaddress
 import os
 import signal
 import socket
+import stat
 import sys
+import tempfile
 import threading
 from typing import Any
 
@@ -204,7 +206,7 @@ def _replica_error(serve) -> str:
     status (our DllmError's message where the replica raised one)."""
     status = serve.status().applications.get(APP_NAME)
     lines = [line for d in (status.deployments.values() if status else ()) for line in d.message.splitlines()]
-    last = lines[-1] if lines else "no reason given; see the replica logs under /tmp/ray/session_latest/logs"
+    last = lines[-1] if lines else "no reason given; see the replicas' logs under Ray's session_latest/logs"
     return last.removeprefix(f"{DllmError.__module__}.{DllmError.__name__}: ")
 
 
@@ -230,15 +232,34 @@ CONNECT_SECONDS = 5  # a cluster address that accepts no TCP connection in this 
 HANDSHAKE_SECONDS = 30  # Ray retries a cluster that does not answer forever; a live one answers in a few seconds
 
 
+def local_ray_dir() -> str:
+    """The folder of our own Ray instances: `dllm-ray-UID` in the temp folder, private to the user (0700). Ray makes
+    its own folders (the sessions, their logs and the raylet's and object store's sockets) open to every local user
+    (0777, no sticky bit: another user could replace a socket), so they go inside it, in `ray/`. A folder of that
+    name that is not the user's own and private is refused (DllmError): someone else made it."""
+    folder = os.path.join(tempfile.gettempdir(), f"dllm-ray-{os.getuid()}")
+    try:
+        os.mkdir(folder, 0o700)
+    except FileExistsError:
+        pass
+    found = os.lstat(folder)
+    if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid() or found.st_mode & 0o077:
+        raise DllmError(f"{folder} is not a folder private to this user (owner {found.st_uid}, mode "
+                        f"{stat.S_IMODE(found.st_mode):o}); remove it, or set TMPDIR to a folder of your own")
+    return folder
+
+
 def _start_local_ray(cpus: int) -> None:
     """A Ray instance of our own, on loopback only: its GCS, raylet, agents, workers, Serve's controller and proxy
     and the replicas listen on 127.0.0.1, never on the network (Ray's cluster ports run whatever work reaches them;
     a one-machine instance needs none of them reachable). Ray binds to its node address, which on Linux it takes from
-    the network unless told that this is not a cluster (its own setting for macOS and Windows, read at import)."""
+    the network unless told that this is not a cluster (its own setting for macOS and Windows, read at import). Its
+    folders are under `local_ray_dir()` (RAY_TMPDIR for every process it starts), not the shared /tmp/ray."""
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ["RAY_TMPDIR"] = local_ray_dir()
     ray, _ = _ray()
     ray.init(address="local", num_cpus=cpus, _node_ip_address="127.0.0.1", include_dashboard=False,
-             log_to_driver=False, logging_level="warning")
+             log_to_driver=False, logging_level="warning", _temp_dir=os.path.join(os.environ["RAY_TMPDIR"], "ray"))
     node = ray.util.get_node_ip_address()
     if not ipaddress.ip_address(node).is_loopback:  # Ray was imported before the setting (a Python caller)
         ray.shutdown()
