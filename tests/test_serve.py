@@ -464,9 +464,11 @@ def test_a_client_that_disconnects_stops_its_row(server):
     (["--port", "99999"], "--port must be between 0 and 65535"),
     (["--ray-address", "10.0.0.1:6379"], "--ray-address needs --replicas N"),
     (["--port", "{taken}"], "cannot listen on 127.0.0.1:{taken} (Address already in use); pick another --port"),
+    (["--host", "256.1.1.1"], "--host '256.1.1.1' is not a valid address or a name this machine resolves"),
 ])
 def test_serve_refuses_to_start_what_cannot_answer(args, message):
-    """Defaults that fail every request, a bad or taken port: one error line before listening, exit 2."""
+    """Defaults that fail every request, a bad or taken port, a host that is no address: one error line before
+    listening, exit 2."""
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = str(taken.getsockname()[1])
         args = [a.replace("{taken}", port) for a in args]

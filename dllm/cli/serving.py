@@ -70,8 +70,12 @@ def _check_port(host: str, port: int) -> None:
         with socket.create_server((host, port)):
             pass
     except OSError as e:
-        reason = os.strerror(e.errno) if e.errno else str(e)
-        raise DllmError(f"cannot listen on {host}:{port} ({reason}); pick another --port or --host") from None
+        if e.errno is None or e.errno >= 0:
+            reason = os.strerror(e.errno) if e.errno else str(e)
+            raise DllmError(f"cannot listen on {host}:{port} ({reason}); pick another --port or --host") from None
+        # getaddrinfo's (negative) error: not an address, nor a name this machine resolves ("Unknown error -2")
+        raise DllmError(f"--host {host!r} is not a valid address or a name this machine resolves; give an IP "
+                        f"address of this machine (127.0.0.1, 0.0.0.0) or its name") from None
 
 
 def serve_command(args) -> int:
@@ -101,7 +105,10 @@ def serve_command(args) -> int:
     engine.check_defaults()
     engine.start()
     server(create_app(engine), args.host, args.port, args.shutdown_timeout, engine).run()
-    return 1 if engine.failed else 0
+    if engine.failed:  # the last line says why (after uvicorn's own)
+        print(f"dllm: {engine.failure}", file=sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 def bench_serve_command(args) -> int:

@@ -92,6 +92,11 @@ def create_app(engine: EngineClient):
         status, answer = engine.health()
         return answer if status == 200 else error(status, answer, "unavailable")
 
+    @app.get("/ready")
+    async def ready():
+        status, answer = engine.ready()
+        return answer if status == 200 else error(status, answer, "unavailable")
+
     @app.get("/metrics")
     async def metrics():
         return Response(engine.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -124,7 +129,9 @@ MAX_BODY_BYTES = 4 << 20  # far past any prompt a model's context holds
 
 INLINE_BYTES = 16 << 10  # bodies up to this are read on the event loop
 
-ANSWER_SECONDS = 5.0  # after the engine's drain deadline, for its 503s to reach their clients
+ANSWER_SECONDS = 5.0  # after the engine's drain, for the last answers to reach their clients
+
+EXIT_AFTER = 20.0  # after the drain's deadline, the port closes even if the engine has not said it is done
 
 
 async def _read_body(request) -> bytes | None:
@@ -189,17 +196,27 @@ async def _sse(engine: EngineClient, job: Job, base: dict, chat: bool, request, 
 
 def server(app, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: float = 30.0,
            engine: EngineClient | None = None, log_level: str = "info"):
-    """A uvicorn server for `app`. SIGTERM/SIGINT: new requests get 503, the engine lets those in flight finish for
-    at most `shutdown_timeout` seconds (then answers them 503) and exits, then the server exits 0 (uvicorn would
-    re-raise the signal); uvicorn itself waits `ANSWER_SECONDS` more for those answers to go out. An engine that
+    """A uvicorn server for `app`. SIGTERM/SIGINT drain: the port stays open and new requests (and /ready) get 503
+    while the engine lets those in flight finish for at most `shutdown_timeout` seconds (then answers them 503) and
+    exits; then uvicorn closes the port, waits `ANSWER_SECONDS` at most for the last answers to go out, and the
+    server exits 0 (uvicorn would re-raise the signal). A second signal closes the port at once. An engine that
     fails for good stops the server too (`engine.failed`: `dllm serve` exits 1)."""
     import uvicorn
 
     class Server(uvicorn.Server):
+        draining = False
+
         def handle_exit(self, sig, frame):
-            if engine is not None:
-                engine.drain_soon(shutdown_timeout)
-            super().handle_exit(sig, frame)
+            if engine is None or self.draining:
+                return super().handle_exit(sig, frame)
+            self.draining = True  # uvicorn's shutdown (the port closed) waits for the engine's drain: `drained`
+            engine.drain_soon(shutdown_timeout)
+            hung = threading.Timer(shutdown_timeout + EXIT_AFTER, self.drained)  # (an engine that hangs)
+            hung.daemon = True
+            hung.start()
+
+        def drained(self):
+            self.should_exit = True
 
         def run(self, sockets=None):
             # uvicorn re-raises the signal it caught once it has shut down, under the handlers it found: with ours
@@ -214,10 +231,10 @@ def server(app, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: flo
                     signal.signal(sig, handler)
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=shutdown_timeout + (ANSWER_SECONDS if engine else 0))
+                            timeout_graceful_shutdown=ANSWER_SECONDS if engine else shutdown_timeout)
     served = Server(config)
     if engine is not None:
-        engine.on_fatal = lambda: setattr(served, "should_exit", True)
+        engine.on_fatal = engine.on_drained = served.drained
     return served
 
 
