@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 import warnings
 
@@ -375,8 +376,9 @@ def test_a_stop_string_split_between_blocks_is_never_streamed(server):
     assert whole["usage"]["completion_tokens"] == len("#### abcd")  # through the stop string, as vLLM counts
 
 
-def test_a_request_that_fails_to_join_fails_alone(tiny, monkeypatch):
-    """An unexpected error while one request joins the batch answers that request (500, counted), no other."""
+def test_a_request_that_fails_to_join_fails_alone(tiny, monkeypatch, capfd):
+    """An unexpected error while one request joins the batch answers that request (500, counted), no other; the
+    engine's log line names it by its X-Request-ID."""
     from dllm.engine import Batch
     add = Batch.add
 
@@ -390,8 +392,9 @@ def test_a_request_that_fails_to_join_fails_alone(tiny, monkeypatch):
     with LocalServer(EngineClient.on_thread(model, tok, "tiny-llada", DEFAULTS)) as local:  # patched: this process
         long = {**chat("reverse: hello123"), "gen_length": 128, "ignore_eos": True}
         answers = {}
-        threads = [threading.Thread(target=lambda k=k, b=b: answers.__setitem__(k, post(
-            local.url + "/v1/chat/completions", b))) for k, b in [("long", long), ("bad", chat("copy: ab", seed=13))]]
+        threads = [threading.Thread(target=lambda k=k, b=b: answers.__setitem__(k, request(
+            local.url + "/v1/chat/completions", b, {"X-Request-ID": f"trace-{k}"})[:2]))
+            for k, b in [("long", long), ("bad", chat("copy: ab", seed=13))]]
         for t in threads:
             t.start()
             time.sleep(0.3)
@@ -402,6 +405,69 @@ def test_a_request_that_fails_to_join_fails_alone(tiny, monkeypatch):
     assert answers["bad"][0] == 500 and "RuntimeError: boom" in answers["bad"][1]["error"]["message"]
     assert answers["long"][0] == 200
     assert 'dllm_requests_total{endpoint="chat",outcome="error"} 1.0' in metrics
+    assert "dllm engine: request trace-bad failed: RuntimeError: boom\n" in capfd.readouterr().err
+
+
+def request(url: str, body: dict | None = None, headers: dict | None = None) -> tuple[int, dict | str, dict]:
+    """A GET (a POST of `body`) with `headers`: the status, the answer (JSON, or text) and the headers."""
+    data = None if body is None else json.dumps(body).encode()
+    try:
+        r = urllib.request.urlopen(urllib.request.Request(url, data, headers or {}), timeout=120)
+    except urllib.error.HTTPError as e:
+        r = e
+    with r:
+        raw, kind = r.read().decode(), r.headers.get("content-type", "")
+        return r.status, json.loads(raw) if kind == "application/json" else raw, dict(r.headers)
+
+
+def test_a_request_id_is_echoed_or_made(server):
+    """X-Request-ID: the client's comes back on the answer (an error's too), each request without one gets a new
+    one, and one that is not 1-128 visible ASCII characters is a 400."""
+    status, _, headers = request(server.url + "/v1/chat/completions", chat("copy: abcd"), {"X-Request-ID": "abc-42"})
+    assert status == 200 and headers["x-request-id"] == "abc-42"
+    status, _, headers = request(server.url + "/v1/chat/completions", {"messages": []}, {"X-Request-ID": "abc-43"})
+    assert status == 400 and headers["x-request-id"] == "abc-43"
+    made = [request(server.url + path)[2]["x-request-id"] for path in ("/health", "/health", "/metrics")]
+    assert len(set(made)) == 3 and all(len(m) == 32 for m in made)
+    status, answer, _ = request(server.url + "/health", headers={"X-Request-ID": "x" * 129})
+    assert status == 400 and answer["error"]["message"].startswith("X-Request-ID must be 1 to 128 visible ASCII")
+
+
+def test_past_max_waiting_a_request_gets_429_with_retry_after(tiny):
+    """--max-waiting 1 behind --max-batch 1: one request decodes, one waits, the third gets 429 with Retry-After
+    (none is queued without bound); once they are answered, requests are taken again."""
+    model, tok = tiny
+    with LocalServer(EngineClient.spawn(EngineSpec("tiny-llada", max_batch=1), DEFAULTS, max_waiting=1)) as local:
+        long = chat("reverse: hello123", gen_length=224, block_length=32, ignore_eos=True)
+        answers = {}
+        threads = [threading.Thread(target=lambda k=k: answers.__setitem__(k, post(local.url + "/v1/chat/completions",
+                                                                                    long))) for k in range(2)]
+        for t in threads:
+            t.start()
+        wait_rows(local.url, 1)
+        deadline = time.monotonic() + 60
+        while local.engine.jobs.__len__() < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        status, answer, headers = request(local.url + "/v1/chat/completions", chat("copy: abcd"))
+        assert status == 429 and headers["retry-after"] == "1", (status, answer)
+        assert answer["error"]["message"] == ("1 requests wait for a batch slot already (this server's --max-waiting); "
+                                              "retry later")
+        for t in threads:
+            t.join(timeout=120)
+        assert [answers[k][0] for k in range(2)] == [200, 200]
+        assert post(local.url + "/v1/chat/completions", chat("copy: abcd"))[0] == 200
+
+
+def test_metrics_count_steps_by_the_rows_of_their_batch(server):
+    """dllm_batch_rows_per_step: one observation per decoding step, of its batch's rows (a lone request: 1)."""
+    before = metric_values(server.url)
+    post(server.url + "/v1/chat/completions", chat("copy: abcd", gen_length=32, block_length=32))
+    after = metric_values(server.url)
+    grown = {k: after[k] - before.get(k, 0) for k in after if k.startswith("dllm_batch_rows_per_step")}
+    steps = after["dllm_engine_steps_total"] - before["dllm_engine_steps_total"]
+    assert grown["dllm_batch_rows_per_step_count"] == steps > 0 and grown["dllm_batch_rows_per_step_sum"] == steps
+    assert grown['dllm_batch_rows_per_step_bucket{le="1.0"}'] == steps
 
 
 def test_elastic_requests_decode_alone(tiny):

@@ -188,8 +188,8 @@ def test_engine_restart_fails_the_requests_in_flight_then_serves_again(tiny):
 
 
 def test_a_draining_server_answers_503_and_finishes_what_it_holds(tiny):
-    """Draining (what SIGTERM starts): new requests and /health get 503, the request in flight is answered, and
-    the engine process exits 0."""
+    """Draining (what SIGTERM starts): new requests and /ready get 503 (/health 200: the engine runs), the request
+    in flight is answered, and the engine process exits 0."""
     with LocalServer(EngineClient.spawn(SPEC, DEFAULTS)) as local:
         engine, url = local.engine, local.url
         results, threads = in_flight(url, [(LONG, False)])
@@ -201,9 +201,7 @@ def test_a_draining_server_answers_503_and_finishes_what_it_holds(tiny):
             time.sleep(0.01)
         status, answer = post(url + "/v1/chat/completions", chat("copy: abcd"))
         assert status == 503 and "shutting down" in answer["error"]["message"]
-        with pytest.raises(urllib.error.HTTPError) as info:
-            urllib.request.urlopen(url + "/health", timeout=5)
-        assert info.value.code == 503
+        assert answer_of(url, "/ready")[0] == 503 and answer_of(url, "/health")[0] == 200
         joined(threads)
         (status, answer), = results
         assert status == 200 and text_of(answer) == long_answer(*tiny)
@@ -297,3 +295,25 @@ def answer_of_or_none(url: str) -> int | None:
         return e.code
     except OSError:
         return None
+
+
+def test_ready_says_whether_the_engine_answers_health_whether_it_runs(monkeypatch):
+    """A stopped engine process (SIGSTOP: as one stuck in a step) is not ready after SILENT_SECONDS without a word
+    from it (2 s here), though alive; once it runs again it is ready again."""
+    import dllm.serve.engine_client as engine_client
+
+    monkeypatch.setattr(engine_client, "SILENT_SECONDS", 2.0)
+    with LocalServer(EngineClient.spawn(SPEC, DEFAULTS)) as local:
+        assert answer_of(local.url, "/ready") == (200, {"status": "ready"})
+        os.kill(local.engine.pid, signal.SIGSTOP)
+        try:
+            time.sleep(4)
+            status, answer = answer_of(local.url, "/ready")
+            assert status == 503 and "the engine has not answered for" in answer["error"]["message"], answer
+            assert answer_of(local.url, "/health")[0] == 200
+        finally:
+            os.kill(local.engine.pid, signal.SIGCONT)
+        deadline = time.monotonic() + WAIT
+        while answer_of(local.url, "/ready")[0] != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)

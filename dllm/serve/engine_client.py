@@ -38,6 +38,10 @@ class Unavailable(Exception):
     """The server takes no request now (HTTP 503): it is shutting down, or its engine is starting or has died."""
 
 
+class Full(Exception):
+    """`max_waiting` requests wait for a batch slot already (HTTP 429 with Retry-After)."""
+
+
 class _Link:
     """One engine (a generation of it): its sockets, and its process or thread."""
 
@@ -81,6 +85,7 @@ class _Link:
             self.join(EXIT_SECONDS)
             raise DllmError(f"the engine did not start: {_last_line(message.error)}")
         assert isinstance(message, Ready), message
+        self.heard = time.monotonic()
 
     def alive(self) -> bool:
         return self.process.poll() is None if self.process is not None else self.thread.is_alive()
@@ -140,7 +145,8 @@ class EngineClient:
     delivery; `submit`, `cancel`, `drain` and `close` run on the event loop."""
 
     def __init__(self, reader: RequestReader, spec: EngineSpec | None = None, engine: Engine | None = None,
-                 restart: bool = False, metrics: Metrics | None = None, ready_timeout: float = READY_SECONDS):
+                 restart: bool = False, metrics: Metrics | None = None, ready_timeout: float = READY_SECONDS,
+                 max_waiting: int = 256):
         import zmq
 
         if (spec is None) == (engine is None):
@@ -149,6 +155,10 @@ class EngineClient:
         self.prefix_cache_mb = spec.prefix_cache_mb if spec is not None else (1 if engine.prefix else 0)
         self.metrics = metrics or Metrics(with_prefix_cache=bool(self.prefix_cache_mb))
         self.ready_timeout = ready_timeout
+        # requests in flight at most: a full batch and `max_waiting` waiting for a slot (the engine admits a waiting
+        # request whenever a slot is free, so requests wait only behind a full batch)
+        self.max_waiting = max_waiting
+        self.max_jobs = (spec.max_batch if spec is not None else engine.max_batch) + max_waiting
         self.context = zmq.Context.instance()
         self.jobs: dict[str, Job] = {}  # requests in flight, by id (touched on the event loop only)
         self.link: _Link | None = None
@@ -164,12 +174,12 @@ class EngineClient:
 
     @classmethod
     def spawn(cls, spec: EngineSpec, defaults: dict[str, Any], name: str | None = None, restart: bool = False,
-              metrics: Metrics | None = None) -> EngineClient:
+              metrics: Metrics | None = None, max_waiting: int = 256) -> EngineClient:
         """A client of the engine process `spec` describes (started by `start`), which checks requests on the model
         without its weights; `defaults`: the server's decoding defaults (`requests.served_defaults`)."""
         model, tokenizer = spec.load(weights=False)
         return cls(RequestReader(model, tokenizer, name or spec.model, defaults, spec.compile), spec, restart=restart,
-                   metrics=metrics)
+                   metrics=metrics, max_waiting=max_waiting)
 
     @classmethod
     def on_thread(cls, model, tokenizer, name: str, defaults: dict[str, Any], max_batch: int = 8,
@@ -271,9 +281,13 @@ class EngineClient:
 
     # -- requests ---------------------------------------------------------------------------------------------
     def submit(self, job: Job) -> None:
-        """Send `job` to the engine (on the event loop); Unavailable: it takes no requests now."""
+        """Send `job` to the engine (on the event loop); Unavailable: it takes no requests now; Full: too many
+        wait."""
         if self.state != "ready":
             raise Unavailable(self.unavailable())
+        if len(self.jobs) >= self.max_jobs:
+            raise Full(f"{self.max_waiting} requests wait for a batch slot already (this server's --max-waiting); "
+                       f"retry later")
         self.jobs[job.id] = job
         if not self.link.send(job.message()):
             del self.jobs[job.id]

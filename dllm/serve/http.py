@@ -3,13 +3,15 @@ limits, and a uvicorn server whose SIGTERM drains the engine first. The engine r
 (`engine_client`)."""
 import asyncio
 import json
+import re
 import signal
 import threading
 import time
+import uuid
 
 from ..core.errors import DllmError
 from .bodies import ChatRequest, CompletionRequest
-from .engine_client import EngineClient, Unavailable
+from .engine_client import EngineClient, Full, Unavailable
 from .logprobs import LogprobsFormat
 from .requests import Job
 
@@ -29,6 +31,7 @@ def create_app(engine: EngineClient):
         await engine.close()
 
     app = FastAPI(title="dllm", lifespan=lifespan)
+    app.add_middleware(RequestIds)
     app.openapi = lambda: app.openapi_schema or _openapi(app)
 
     def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
@@ -49,11 +52,15 @@ def create_app(engine: EngineClient):
         except DllmError as e:
             engine.metrics.requests.labels("chat" if chat else "completions", "bad_request").inc()
             return error(400, str(e))
-        job.events = asyncio.Queue()
+        job.events, job.request_id = asyncio.Queue(), request.scope[RequestIds.KEY]
         try:
             engine.submit(job)
         except Unavailable as e:
             return error(503, str(e), "unavailable")
+        except Full as e:
+            answer = error(429, str(e), "rate_limit_error")
+            answer.headers["Retry-After"] = str(RETRY_SECONDS)
+            return answer
         base = {"id": ("chatcmpl-" if chat else "cmpl-") + job.id, "created": int(job.created), "model": engine.name}
         logprobs = LogprobsFormat(engine.tokenizer, chat)
         if job.stream:
@@ -127,11 +134,51 @@ def _openapi(app) -> dict:
 
 MAX_BODY_BYTES = 4 << 20  # far past any prompt a model's context holds
 
+RETRY_SECONDS = 1  # a 429's Retry-After: a block of a full batch takes about this long on a CPU
+
 INLINE_BYTES = 16 << 10  # bodies up to this are read on the event loop
 
 ANSWER_SECONDS = 5.0  # after the engine's drain, for the last answers to reach their clients
 
 EXIT_AFTER = 20.0  # after the drain's deadline, the port closes even if the engine has not said it is done
+
+
+class RequestIds:
+    """X-Request-ID on every answer: the client's (1-128 visible ASCII characters, echoed), else a new one; a
+    request's id rides to the engine (`Job.request_id`), whose log lines name it. A malformed one is a 400."""
+
+    KEY = "dllm.request_id"  # where the handlers find it in the ASGI scope
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"x-request-id")
+        valid = given is not None and REQUEST_ID.fullmatch(given)
+        scope[self.KEY] = given.decode() if valid else uuid.uuid4().hex
+        send = _with_id(send, scope[self.KEY])
+        if given is None or valid:
+            return await self.app(scope, receive, send)
+        body = json.dumps({"error": {"message": "X-Request-ID must be 1 to 128 visible ASCII characters; send "
+                                               "another or none (the server makes one)",
+                                     "type": "invalid_request_error", "code": 400}}).encode()
+        await send({"type": "http.response.start", "status": 400, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+REQUEST_ID = re.compile(rb"[!-~]{1,128}")
+
+
+def _with_id(send, request_id: str):
+    """`send` with the X-Request-ID header added to the response's start."""
+    async def sending(message):
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id.encode())]}
+        await send(message)
+    return sending
 
 
 async def _read_body(request) -> bytes | None:

@@ -34,6 +34,7 @@ class Add(_Message):
     max_tokens: int | None = None  # the answer is complete at this many tokens
     stop_early: bool = True  # False: decode every block (ignore_eos)
     logprobs: int | None = None  # alternatives per answer token with its log-probability (None: none asked)
+    request_id: str = ""  # the client's X-Request-ID (or the server's), for the engine's log lines
 
 
 class Abort(_Message):
@@ -88,6 +89,7 @@ class Stats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     seconds: float = 0.0  # since the engine started
     busy: float = 0.0  # share of the last second spent inside the decode loop
     steps_per_s: float = 0.0  # over the last second
+    rows_per_step: list[int] = []  # steps run, by the rows of their batch (index: rows)
     prefix: PrefixStats | None = None
 
 
@@ -101,7 +103,7 @@ class Outputs(_Message):
 
 
 class Exit(_Message):
-    reason: str  # "shutdown", "orphaned" (the HTTP process has gone) or "error"
+    reason: str  # "shutdown" or "error"
     error: str = ""  # the traceback of an error
 
 

@@ -28,7 +28,7 @@ from ..core.errors import DllmError
 from .http import create_app
 from .engine_client import EngineClient
 from .engine_process import EngineSpec
-from .metrics import BUCKETS, METRICS, Metrics
+from .metrics import BUCKETS, METRICS, SECONDS, Metrics
 from .requests import RequestReader, served_defaults
 
 APP_NAME = "dllm"
@@ -57,6 +57,7 @@ class ReplicaOptions(BaseModel):
     confidence_eos_eot_inf: bool = False
     compile: bool = False
     max_batch: int = 8
+    max_waiting: int = 256  # requests waiting in a replica's engine at most (beyond: 429)
     prefix_cache_mb: float = 0
     name: str | None = None
     num_replicas: int = 1
@@ -130,7 +131,7 @@ class ReplicaMetrics(Metrics):
 
         kinds = {"counter": metrics.Counter, "gauge": metrics.Gauge, "histogram": metrics.Histogram}
         for attribute, kind, name, description, labels in METRICS:
-            extra = {"boundaries": list(BUCKETS)} if kind == "histogram" else {}
+            extra = {"boundaries": list(BUCKETS.get(attribute, SECONDS))} if kind == "histogram" else {}
             remote = kinds[kind](name, description, tag_keys=labels, **extra)
             setattr(self, attribute, _Twin(getattr(self, attribute), remote, labels))
 
@@ -146,7 +147,8 @@ def build_engine(o: ReplicaOptions, metrics: Metrics | None = None) -> EngineCli
     defaults = served_defaults(model, o.model_dump(include={
         "sampler", "sampler_args", "cache", "cache_args", "gen_length", "block_length", "steps", "seed",
         "cfg_scale", "logits_eos_inf", "confidence_eos_eot_inf"}))
-    engine = EngineClient(RequestReader(model, tok, o.name or o.model, defaults, o.compile), spec, metrics=metrics)
+    engine = EngineClient(RequestReader(model, tok, o.name or o.model, defaults, o.compile), spec, metrics=metrics,
+                          max_waiting=o.max_waiting)
     engine.check_defaults()
     return engine
 

@@ -89,6 +89,7 @@ class Job:
     stop_early: bool = True
     logprobs: int | None = None  # alternatives per answer token with its log-probability (None: none asked)
     logprobs_sent: int = 0  # answer tokens whose log-probabilities were sent
+    request_id: str = ""  # the client's X-Request-ID, or the server's
     guidance: Guidance = Guidance()
     events: asyncio.Queue | None = None  # what the HTTP handler reads: {"kind": "delta", "text", "logprobs"},
     # {"kind": "done", "text", "finish_reason", "usage", "logprobs"} or {"kind": "error", "status", "message"}
@@ -105,7 +106,7 @@ class Job:
         """What the engine process decodes."""
         return Add(self.id, self.ids, self.lengths["gen_length"], self.lengths["block_length"], self.steps_per_block,
                    self.sampler.config(), self.cache.config(), self.guidance.config(), self.seed, self.max_tokens,
-                   self.stop_early, self.logprobs)
+                   self.stop_early, self.logprobs, self.request_id)
 
     def read(self, tokenizer, ids: list[int], done: bool, reason: str, logprobs: list | None = None) -> list[dict]:
         """The events of a block: `ids`, the answer so far (decoded blocks, cut at max_tokens), becomes new text to
