@@ -11,6 +11,7 @@ import uuid
 
 from ..core.errors import DllmError
 from .bodies import ChatRequest, CompletionRequest
+from .contract import declare
 from .engine_client import EngineClient, Full, Unavailable
 from .logprobs import LogprobsFormat
 from .requests import Job
@@ -32,7 +33,7 @@ def create_app(engine: EngineClient):
 
     app = FastAPI(title="dllm", lifespan=lifespan)
     app.add_middleware(RequestIds)
-    app.openapi = lambda: app.openapi_schema or _openapi(app)
+    app.openapi = lambda: app.openapi_schema or _openapi(app, engine)
 
     def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
         return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
@@ -118,8 +119,9 @@ def _body_schema(model) -> dict:
         "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
 
 
-def _openapi(app) -> dict:
-    """FastAPI's schema, with the request body models (and the models they use) among its components."""
+def _openapi(app, engine: EngineClient) -> dict:
+    """FastAPI's schema, with the request body models (and the models they use) among its components, made this
+    server's contract (`contract.declare`)."""
     from fastapi.openapi.utils import get_openapi
 
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
@@ -128,7 +130,7 @@ def _openapi(app) -> dict:
         described = model.model_json_schema(ref_template="#/components/schemas/{model}")
         components.update(described.pop("$defs", {}))
         components[model.__name__] = described
-    app.openapi_schema = schema
+    app.openapi_schema = declare(schema, engine.reader)
     return schema
 
 
