@@ -145,3 +145,15 @@ def test_what_a_replica_would_refuse_is_refused_before_ray_starts(flags, message
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=WAIT)
     assert (proc.returncode, proc.stdout) == (2, "False\n"), proc.stderr
     assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+
+
+def test_a_replica_of_a_small_model_runs_torch_on_one_thread_whatever_its_cpus():
+    """A replica's engine runs torch on the CPUs Ray reserved for it, but on one thread for a model under 10M
+    parameters (`dllm serve --replicas 1` on 2 cores gave tiny-llada's engine 2 threads, which spun: 12x the CPU
+    seconds for the same answers on a busy machine)."""
+    from dllm.models.threads import physical_cores
+    from dllm.serve.ray import ReplicaOptions, build_engine
+
+    assert build_engine(ReplicaOptions(num_cpus=2, device="cpu")).spec.threads == 1
+    larger = build_engine(ReplicaOptions(model="random:llada-small", num_cpus=2, device="cpu"))
+    assert larger.reader.model.config.num_parameters() > 10_000_000 and larger.spec.threads == min(2, physical_cores())

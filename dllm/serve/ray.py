@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ..core.checks import check_int
 from ..core.errors import DllmError
+from ..models.threads import default_threads
 from .http import create_app
 from .engine_client import EngineClient
 from .engine_process import EngineSpec
@@ -62,14 +63,10 @@ class ReplicaOptions(BaseModel):
     name: str | None = None
     num_replicas: int = 1
     autoscaling_config: dict[str, Any] | None = None  # instead of num_replicas: Ray Serve's autoscaling_config
-    num_cpus: float = 1.0  # per replica; its torch threads
+    num_cpus: float = 1.0  # per replica; its torch threads (one for a model under 10M parameters)
     num_gpus: float | None = None  # per replica; None: 1 on cuda, else 0
     max_ongoing_requests: int | None = None  # None: 2 * max_batch
     shutdown_timeout: float = 30.0  # seconds a stopping replica waits for its requests
-
-    @property
-    def threads(self) -> int:
-        return max(1, int(self.num_cpus))
 
     def check(self) -> None:
         """What can fail without the model fails here, before Ray starts anything (DllmError)."""
@@ -139,11 +136,14 @@ class ReplicaMetrics(Metrics):
 def build_engine(o: ReplicaOptions, metrics: Metrics | None = None) -> EngineClient:
     """A replica's engine client, its requests checked on the model without its weights: every check a replica
     makes of its options, which the driver also runs before Ray starts. `start` launches its engine process."""
-    # torch threads: the CPUs Ray reserved for this replica (what Ray also puts in OMP_NUM_THREADS)
-    spec = EngineSpec(model=o.model, device=o.device, dtype=o.dtype, threads=o.threads, quantize=o.quantize,
+    spec = EngineSpec(model=o.model, device=o.device, dtype=o.dtype, threads=1, quantize=o.quantize,
                       quantize_head=o.quantize_head, max_batch=o.max_batch, compile=o.compile,
                       prefix_cache_mb=o.prefix_cache_mb)
     model, tok = spec.load(weights=False)
+    # torch threads: the CPUs Ray reserved for this replica (what Ray also puts in OMP_NUM_THREADS), but one for a
+    # small model, whose forwards are too small to split: more threads wait on each other (issue #39; tiny-llada
+    # on 2 threads: 12x the CPU seconds of one thread for the same answers on a busy 2-core machine)
+    spec.threads = min(max(1, int(o.num_cpus)), default_threads(model.config.num_parameters())[0])
     defaults = served_defaults(model, o.model_dump(include={
         "sampler", "sampler_args", "cache", "cache_args", "gen_length", "block_length", "steps", "seed",
         "cfg_scale", "logits_eos_inf", "confidence_eos_eot_inf"}))
