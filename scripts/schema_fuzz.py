@@ -41,7 +41,9 @@ def fuzz(url: str, examples: int = 100, seed: int = 0) -> dict:
                                                          schemathesis.checks.status_code_conformance,
                                                          schemathesis.checks.content_type_conformance])
             except (Exception, BaseExceptionGroup) as e:  # noqa: BLE001  (the answer is not what the schema says)
-                mismatches.append(f"{operation.label} {response.status_code}: {str(e).splitlines()[0][:160]}")
+                found = getattr(e, "exceptions", [e])
+                mismatches.append(f"{operation.label} {response.status_code}: " + "; ".join(
+                    f"{getattr(f, 'title', type(f).__name__)}: {str(getattr(f, 'message', f))[:200]}" for f in found))
 
         send()
     sent = sum(statuses.values())

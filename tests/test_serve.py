@@ -12,6 +12,7 @@ import time
 import urllib.error
 import urllib.request
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -200,7 +201,10 @@ BAD = [
     ({"prompt": "copy: ab", "sampler": ["threshold"]}, "sampler must be a sampler's name, got ['threshold']"),
     ({"prompt": "copy: ab", "cache": {}}, "cache must be a cache's name, got {}"),
     ({"prompt": "copy: ab", "temperature": "0.5"}, "temperature must be a number, got '0.5'"),
-    ({"prompt": "copy: ab", "max_tokens": 4.0}, "max_tokens must be an integer, got 4.0"),
+    ({"prompt": "copy: ab", "max_tokens": 4.5}, "max_tokens must be an integer, got 4.5"),
+    ({"prompt": "copy: ab", "stop": ""}, "stop must be a string or a list of non-empty strings, got ''"),
+    ({"prompt": "copy: ab", "gen_length": "auto"}, "gen_length auto (DAEDAL) is not served: it grows each answer "
+                                                   "while decoding, and the server batches rows of fixed lengths"),
     ({"prompt": 7}, "prompt must be a string (or a list of token ids), got 7"),
     ({"prompt": [3, "a"]}, "prompt must be a string (or a list of token ids), got [3, 'a']"),
     ({"prompt": "copy: ab", "sampler_args": "threshold=0.5"},
@@ -289,25 +293,72 @@ def test_checking_the_defaults_at_start_says_nothing_of_prompt_formats(tiny):
         EngineClient.spawn(SPEC, DEFAULTS).check_defaults()  # (never started: the model without its weights)
 
 
-def test_openapi_describes_the_request_bodies(server):
-    """/openapi.json gives each endpoint's body as a typed model: OpenAI's fields and ours, what is required, and
-    that any other field (a sampler or cache parameter by name) is allowed."""
-    with urllib.request.urlopen(server.url + "/openapi.json") as r:
-        spec = json.loads(r.read())
+def openapi(url: str) -> dict:
+    with urllib.request.urlopen(url + "/openapi.json") as r:
+        return json.loads(r.read())
+
+
+def test_openapi_is_the_contract(server):
+    """/openapi.json gives each endpoint's body with what this server takes: a branch per sampler it serves (with its
+    parameters' types and ranges, and the caches it decodes with), enums, bounds; and every answer: the completion,
+    the event stream, the error body of each 4xx and 5xx, /metrics as the Prometheus text it serves."""
+    from dllm.samplers import SAMPLERS
+
+    spec = openapi(server.url)
     schemas = spec["components"]["schemas"]
     for path, name in (("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatRequest")):
-        body = spec["paths"][path]["post"]["requestBody"]
-        assert body["required"] and body["content"]["application/json"]["schema"] == {
+        operation = spec["paths"][path]["post"]
+        assert operation["requestBody"]["content"]["application/json"]["schema"] == {
             "$ref": f"#/components/schemas/{name}"}
-        fields = schemas[name]["properties"]
-        assert {"max_tokens", "temperature", "seed", "stream", "stop", "sampler", "cache", "gen_length",
-                "block_length", "steps", "sampler_args", "cfg_scale", "ignore_eos"} <= set(fields)
-        assert fields["seed"]["anyOf"] == [{"type": "integer"}, {"type": "null"}]
-        assert schemas[name]["additionalProperties"] is True
-    assert schemas["CompletionRequest"]["required"] == ["prompt"] and schemas["ChatRequest"]["required"] == ["messages"]
-    messages = schemas["ChatRequest"]["properties"]["messages"]
-    assert messages["minItems"] == 1 and messages["items"] == {"$ref": "#/components/schemas/ChatMessage"}
-    assert set(schemas["ChatMessage"]["required"]) == {"role", "content"}
+        branches = {b["title"]: b for b in schemas[name]["oneOf"]}
+        default = branches["sampler low_confidence"]
+        assert default["additionalProperties"] is False and "sampler" not in default["required"]
+        props = default["properties"]
+        assert props["max_tokens"]["anyOf"][0] == {"type": "integer", "minimum": 1, "maximum": 255}
+        assert props["n"]["anyOf"][0] == {"type": "integer", "enum": [1]}
+        assert props["model"]["anyOf"][0] == {"type": "string", "enum": ["tiny-llada"]}
+        assert props["top_p"]["anyOf"][0] == {"enum": [1]}  # (low_confidence takes no top_p)
+        assert props["cache"]["anyOf"][0]["enum"][0] == "none" and "dual" in props["cache"]["anyOf"][0]["enum"]
+        wino = branches["sampler wino"]
+        assert wino["required"] == [*default["required"], "sampler"] and wino["properties"]["sampler"] == {
+            "const": "wino"}
+        assert wino["properties"]["remask_threshold"]["minimum"] == 0.0
+        assert wino["properties"]["rule"]["enum"] == ["official", "d2cache"]
+        assert "elastic" not in wino["properties"]["cache"]["anyOf"][0]["enum"]  # (its extra rows)
+        assert "threshold" in wino["properties"] and "threshold" not in default["properties"]
+        assert branches["sampler klass"]["properties"]["top_p"]["anyOf"][0]["maximum"] == 1.0
+        assert "sampler daedal" not in branches and {t.split()[1] for t in branches} <= set(SAMPLERS.classes)
+        answers = operation["responses"]
+        assert set(answers["200"]["content"]) == {"application/json", "text/event-stream"}
+        assert {"400", "413", "429", "500", "503"} <= set(answers)
+        assert answers["429"]["content"]["application/json"]["schema"]["required"] == ["error"]
+    message = schemas["ChatMessage"]["properties"]
+    assert message["role"]["enum"] == ["system", "user", "assistant"]
+    assert schemas["CompletionRequest"]["oneOf"][0]["properties"]["prompt"]["anyOf"][0]["pattern"].startswith("^[")
+    (kind,) = spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    with urllib.request.urlopen(server.url + "/metrics") as r:
+        assert r.headers["content-type"] == kind
+    assert {"200", "503"} <= set(spec["paths"]["/ready"]["get"]["responses"])
+
+
+def test_schema_valid_requests_are_answered(server):
+    """Schemathesis draws schema-valid requests for every operation from the published schema (about 30 s): no
+    server error, every answer as the schema declares it, and at least 70% answered 2xx here (what the schema
+    cannot say, such as a prompt and answer that overflow the context, gets its 400; 100 a path: >= 90%)."""
+    pytest.importorskip("schemathesis")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from schema_fuzz import fuzz
+
+    result = fuzz(server.url, examples=40)
+    assert result["server_errors"] == 0 and result["mismatches"] == [], result
+    assert result["requests"] >= 30 and result["ok_share"] >= 0.7, result
+
+
+def test_null_is_a_field_left_out_and_4_0_is_4(server):
+    plain = post(server.url + "/v1/completions", {"prompt": "copy: abcd", "seed": 3, "max_tokens": 4})
+    same = post(server.url + "/v1/completions", {"prompt": "copy: abcd", "seed": 3.0, "max_tokens": 4.0,
+                                                 "stop": None, "n": None, "sampler": None, "logprobs": None})
+    assert plain[0] == same[0] == 200 and plain[1]["choices"] == same[1]["choices"]
 
 
 @pytest.mark.parametrize("messages", ["hi", [], [{"role": "user"}], [{"role": 3, "content": "copy: ab"}],

@@ -105,7 +105,7 @@ def _nullable(schema: dict) -> dict:
     return {"anyOf": [schema, {"type": "null"}]}
 
 
-def tighten(body: dict, reader, chat: bool) -> None:
+def tighten(body: dict, reader, chat: bool, components: dict) -> None:
     """`body` (a request body's JSON Schema from `bodies`) with this server's values, ranges and the samplers'
     and caches' parameters; no property beyond those listed."""
     model, d = reader.model, reader.defaults
@@ -142,8 +142,10 @@ def tighten(body: dict, reader, chat: bool) -> None:
         props[name] = {**value, "description": props[name].get("description", "")}
     by_name = sorted({p for name in offered for p in SAMPLERS.get(name).param_names()} - set(props))
     cache_params = {p: param_schema(cls, p) for cls in CACHES.classes.values() for p in cls.param_names()}
-    cache_args = _nullable({"type": "object", "properties": cache_params, "additionalProperties": False,
-                            "description": "the cache's parameters (`dllm list caches`: another cache's are refused)"})
+    components["CacheArgs"] = {"type": "object", "properties": cache_params, "additionalProperties": False,
+                               "description": "the cache's parameters (`dllm list caches`); another cache's are "
+                                              "refused"}
+    cache_args = _nullable({"$ref": "#/components/schemas/CacheArgs"})
     branches = []
     for name, caches in offered.items():
         cls = SAMPLERS.get(name)
@@ -191,7 +193,7 @@ def declare(schema: dict, reader) -> dict:
                   "echoed on the answer (else the server makes one) and named in the engine's log lines",
                   "schema": {"type": "string", "pattern": "^[!-~]{1,128}$"}}
     for path, chat in (("/v1/completions", False), ("/v1/chat/completions", True)):
-        tighten(components["ChatRequest" if chat else "CompletionRequest"], reader, chat)
+        tighten(components["ChatRequest" if chat else "CompletionRequest"], reader, chat, components)
         operation = schema["paths"][path]["post"]
         operation["parameters"] = [request_id]
         operation["responses"] = {

@@ -209,7 +209,7 @@ class RequestReader:
                 raise DllmError(f"{name} is not supported by sampler {sampler_name!r} (the sampler decides what to "
                                 f"commit); drop it or send {neutral}")
         stream, ignore_eos = bool(body.get("stream")), bool(body.get("ignore_eos"))
-        stop = body.get("stop") or []
+        stop = body.get("stop", [])
         stop = [stop] if isinstance(stop, str) else stop
         if not all(stop):
             raise DllmError(f"stop must be a string or a list of non-empty strings, got {body.get('stop')!r}")
