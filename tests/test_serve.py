@@ -203,6 +203,13 @@ BAD = [
     ({"prompt": "copy: ab", "temperature": "0.5"}, "temperature must be a number, got '0.5'"),
     ({"prompt": "copy: ab", "max_tokens": 4.5}, "max_tokens must be an integer, got 4.5"),
     ({"prompt": "copy: ab", "stop": ""}, "stop must be a string or a list of non-empty strings, got ''"),
+    # numbers past what the decode's float32 and int64 math survive (they were 500s: inf logits, overflow, an
+    # allocation of 2^31 steps of history)
+    ({"prompt": "copy: ab", "sampler": "maskgit_plus", "temperature": 5e-324},
+     "temperature=5e-324 is out of range; give 0 or a magnitude between 1e-30 and 1e+30"),
+    ({"prompt": "copy: ab", "sampler": "credit", "threshold": 1e300}, "threshold=1e+300 is out of range"),
+    ({"prompt": "copy: ab", "sampler": "localleap", "radius": 2**40}, "at most 2147483647 in magnitude"),
+    ({"prompt": "copy: ab", "sampler": "klass", "history_length": 2000}, "history_length=2000 is out of range"),
     ({"prompt": "copy: ab", "gen_length": "auto"}, "gen_length auto (DAEDAL) is not served: it grows each answer "
                                                    "while decoding, and the server batches rows of fixed lengths"),
     ({"prompt": 7}, "prompt must be a string (or a list of token ids), got 7"),

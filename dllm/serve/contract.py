@@ -14,7 +14,7 @@ from typing import Any
 
 from ..cache import CACHES
 from ..core.errors import DllmError
-from ..core.params import _options, _params, type_hints
+from ..core.params import FLOAT_LARGEST, INT_LARGEST, _options, _params, type_hints
 from ..engine.checks import check_policies
 from ..engine.options import decoding_lengths
 from ..samplers import SAMPLERS
@@ -51,6 +51,10 @@ def param_schema(cls, name: str) -> dict:
     for key, word in (("ge", "minimum"), ("le", "maximum"), ("gt", "exclusiveMinimum"), ("lt", "exclusiveMaximum")):
         if m.get(key) is not None and not math.isinf(m[key]):
             schema[word] = m[key]
+    if kind in (int, float):  # (a float's magnitude, 0 aside, is also at least FLOAT_SMALLEST)
+        largest = INT_LARGEST if kind is int else FLOAT_LARGEST
+        schema.setdefault("minimum", -largest)
+        schema.setdefault("maximum", largest)
     if m.get("choices"):
         schema["enum"] = list(m["choices"])
     return {"anyOf": [schema, {"type": "null"}]} if type(None) in options else schema
