@@ -14,7 +14,7 @@ from typing import Any
 
 from ..cache import CACHES
 from ..core.errors import DllmError
-from ..core.params import FLOAT_LARGEST, INT_LARGEST, _options, _params, type_hints
+from ..core.params import FLOAT_LARGEST, FLOAT_SMALLEST, INT_LARGEST, _options, _params, type_hints
 from ..engine.checks import check_policies
 from ..engine.options import decoding_lengths
 from ..samplers import SAMPLERS
@@ -51,13 +51,31 @@ def param_schema(cls, name: str) -> dict:
     for key, word in (("ge", "minimum"), ("le", "maximum"), ("gt", "exclusiveMinimum"), ("lt", "exclusiveMaximum")):
         if m.get(key) is not None and not math.isinf(m[key]):
             schema[word] = m[key]
-    if kind in (int, float):  # (a float's magnitude, 0 aside, is also at least FLOAT_SMALLEST)
-        largest = INT_LARGEST if kind is int else FLOAT_LARGEST
-        schema.setdefault("minimum", -largest)
-        schema.setdefault("maximum", largest)
+    if kind is int:
+        schema.setdefault("minimum", -INT_LARGEST)
+        schema.setdefault("maximum", INT_LARGEST)
+    if kind is float:
+        schema = {**float_schema(schema), "description": schema["description"]}
     if m.get("choices"):
         schema["enum"] = list(m["choices"])
     return {"anyOf": [schema, {"type": "null"}]} if type(None) in options else schema
+
+
+def float_schema(bounds: dict) -> dict:
+    """A float within `bounds` (JSON Schema's minimum, maximum, exclusive ones) that `Params` takes: 0, or a
+    magnitude between FLOAT_SMALLEST and FLOAT_LARGEST."""
+    low = max(bounds.get("minimum", -FLOAT_LARGEST), bounds.get("exclusiveMinimum", -FLOAT_LARGEST), -FLOAT_LARGEST)
+    high = min(bounds.get("maximum", FLOAT_LARGEST), bounds.get("exclusiveMaximum", FLOAT_LARGEST), FLOAT_LARGEST)
+    exclusive = {k: v for k, v in bounds.items() if k.startswith("exclusive")}
+    parts = []
+    if bounds.get("minimum", -1) <= 0 <= bounds.get("maximum", 1) and "exclusiveMinimum" not in bounds:
+        parts.append({"type": "number", "const": 0})
+    if high >= FLOAT_SMALLEST:
+        parts.append({"type": "number", "minimum": max(low, FLOAT_SMALLEST), "maximum": high, **{
+            k: v for k, v in exclusive.items() if v >= FLOAT_SMALLEST}})
+    if low <= -FLOAT_SMALLEST:
+        parts.append({"type": "number", "minimum": low, "maximum": min(high, -FLOAT_SMALLEST)})
+    return parts[0] if len(parts) == 1 else {"anyOf": parts}
 
 
 def served(model, default_cache: str, compile: bool) -> dict[str, list[str]]:
@@ -121,7 +139,7 @@ def tighten(body: dict, reader, chat: bool, components: dict) -> None:
     exact = {
         "model": {"type": "string", "enum": [reader.name]},
         "max_tokens": count, "max_completion_tokens": count,
-        "temperature": {"type": "number", "minimum": 0},
+        "temperature": float_schema({"minimum": 0}),
         "seed": {"type": "integer", "minimum": 0, "maximum": 2 ** 63 - 1},
         "stop": {"anyOf": [{"type": "string", "minLength": 1},
                            {"type": "array", "items": {"type": "string", "minLength": 1}}]},
@@ -185,6 +203,14 @@ def _answer(chat: bool) -> dict:
         "choices": {"type": "array", "items": choice, "minItems": 1, "maxItems": 1}, "usage": USAGE}}
 
 
+def _event(chat: bool) -> dict:
+    """One server-sent event (as schemathesis and OpenAPI 3.2 read a stream): its data, a JSON chunk (text, or the
+    finish reason with usage), a JSON error object, or [DONE]."""
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    return {"type": "object", "required": ["data"], "properties": {"data": {
+        "type": "string", "description": f"a {kind} chunk (JSON), an error (JSON), or [DONE] at the end"}}}
+
+
 def _errors(*statuses: str) -> dict:
     return {status: {"description": ERRORS[status], "content": {"application/json": {"schema": ERROR}}}
             for status in statuses}
@@ -204,7 +230,7 @@ def declare(schema: dict, reader) -> dict:
             "200": {"description": "the answer; with stream: true, server-sent events (a chunk per decoded block, "
                                    "then the finish reason and usage, then data: [DONE])",
                     "content": {"application/json": {"schema": _answer(chat)},
-                                "text/event-stream": {"schema": {"type": "string"}}}},
+                                "text/event-stream": {"schema": _event(chat)}}},
             **_errors("400", "413", "429", "500", "503")}
     text = _text(reader.tokenizer, prompt_room(reader))
     message = components["ChatMessage"]["properties"]
