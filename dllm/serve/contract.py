@@ -9,7 +9,6 @@ that depend on the layout."""
 from __future__ import annotations
 
 import math
-import re
 from typing import Any
 
 from ..cache import CACHES
