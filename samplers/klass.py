@@ -58,7 +58,7 @@ class Klass(Sampler):
                                   "Dream: >=, as the authors')", ge=0.0)
     kl_threshold: float = param(0.01, "kappa: stable when the KL from the previous step's prediction is below this "
                                       "at each of the last history_length steps", ge=0.0)
-    history_length: int = param(2, "H: the steps of KL history a stable position needs", ge=1)
+    history_length: int = param(2, "H: the steps of KL history a stable position needs", ge=1, le=1024)
     top_p: float | None = param(None, "Dream: nucleus mass of the distribution the fallback position is chosen by "
                                 "(the authors' Dream evaluation: 0.95 at temperature 0.2; None: off)", gt=0.0, le=1.0)
 

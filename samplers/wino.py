@@ -39,10 +39,11 @@ class Wino(Sampler):
     edits: ClassVar[bool] = True
     adds_rows: ClassVar[bool] = True
     orders_by_token_probability: ClassVar[bool] = False  # its float64 softmax, as the authors' code
-    threshold: float = param(0.7, "wide-in (tau_in): commit masked positions whose probability is above this",
-                             ge=0.0)
+    threshold: float = param(0.7, "wide-in (tau_in): commit masked positions whose probability is above this (above "
+                                  "1: none is, so each step commits its most confident one)", ge=0.0)
     remask_threshold: float = param(0.9, "narrow-out (tau_out): re-mask decoded tokens whose shadow-block "
-                                         "probability is below this", ge=0.0)
+                                         "probability is below this (above 1: every one is, as many as the cap "
+                                         "allows)", ge=0.0)
     rule: str = param("official", "official: the authors' decoding_wino (strictly above tau_in; re-masks capped by "
                                   "the previous step's commits - 1); d2cache: Kamichanw/d2Cache's port (at least "
                                   "tau_in; capped by this step's commits - 1)", choices=("official", "d2cache"))

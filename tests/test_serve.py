@@ -9,8 +9,10 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -199,7 +201,17 @@ BAD = [
     ({"prompt": "copy: ab", "sampler": ["threshold"]}, "sampler must be a sampler's name, got ['threshold']"),
     ({"prompt": "copy: ab", "cache": {}}, "cache must be a cache's name, got {}"),
     ({"prompt": "copy: ab", "temperature": "0.5"}, "temperature must be a number, got '0.5'"),
-    ({"prompt": "copy: ab", "max_tokens": 4.0}, "max_tokens must be an integer, got 4.0"),
+    ({"prompt": "copy: ab", "max_tokens": 4.5}, "max_tokens must be an integer, got 4.5"),
+    ({"prompt": "copy: ab", "stop": ""}, "stop must be a string or a list of non-empty strings, got ''"),
+    # numbers past what the decode's float32 and int64 math survive (they were 500s: inf logits, overflow, an
+    # allocation of 2^31 steps of history)
+    ({"prompt": "copy: ab", "sampler": "maskgit_plus", "temperature": 5e-324},
+     "temperature=5e-324 is out of range; give 0 or a magnitude between 1e-30 and 1e+30"),
+    ({"prompt": "copy: ab", "sampler": "credit", "threshold": 1e300}, "threshold=1e+300 is out of range"),
+    ({"prompt": "copy: ab", "sampler": "localleap", "radius": 2**40}, "at most 2147483647 in magnitude"),
+    ({"prompt": "copy: ab", "sampler": "klass", "history_length": 2000}, "history_length=2000 is out of range"),
+    ({"prompt": "copy: ab", "gen_length": "auto"}, "gen_length auto (DAEDAL) is not served: it grows each answer "
+                                                   "while decoding, and the server batches rows of fixed lengths"),
     ({"prompt": 7}, "prompt must be a string (or a list of token ids), got 7"),
     ({"prompt": [3, "a"]}, "prompt must be a string (or a list of token ids), got [3, 'a']"),
     ({"prompt": "copy: ab", "sampler_args": "threshold=0.5"},
@@ -288,25 +300,73 @@ def test_checking_the_defaults_at_start_says_nothing_of_prompt_formats(tiny):
         EngineClient.spawn(SPEC, DEFAULTS).check_defaults()  # (never started: the model without its weights)
 
 
-def test_openapi_describes_the_request_bodies(server):
-    """/openapi.json gives each endpoint's body as a typed model: OpenAI's fields and ours, what is required, and
-    that any other field (a sampler or cache parameter by name) is allowed."""
-    with urllib.request.urlopen(server.url + "/openapi.json") as r:
-        spec = json.loads(r.read())
+def openapi(url: str) -> dict:
+    with urllib.request.urlopen(url + "/openapi.json") as r:
+        return json.loads(r.read())
+
+
+def test_openapi_is_the_contract(server):
+    """/openapi.json gives each endpoint's body with what this server takes: a branch per sampler it serves (with its
+    parameters' types and ranges, and the caches it decodes with), enums, bounds; and every answer: the completion,
+    the event stream, the error body of each 4xx and 5xx, /metrics as the Prometheus text it serves."""
+    from dllm.samplers import SAMPLERS
+
+    spec = openapi(server.url)
     schemas = spec["components"]["schemas"]
     for path, name in (("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatRequest")):
-        body = spec["paths"][path]["post"]["requestBody"]
-        assert body["required"] and body["content"]["application/json"]["schema"] == {
+        operation = spec["paths"][path]["post"]
+        assert operation["requestBody"]["content"]["application/json"]["schema"] == {
             "$ref": f"#/components/schemas/{name}"}
-        fields = schemas[name]["properties"]
-        assert {"max_tokens", "temperature", "seed", "stream", "stop", "sampler", "cache", "gen_length",
-                "block_length", "steps", "sampler_args", "cfg_scale", "ignore_eos"} <= set(fields)
-        assert fields["seed"]["anyOf"] == [{"type": "integer"}, {"type": "null"}]
-        assert schemas[name]["additionalProperties"] is True
-    assert schemas["CompletionRequest"]["required"] == ["prompt"] and schemas["ChatRequest"]["required"] == ["messages"]
-    messages = schemas["ChatRequest"]["properties"]["messages"]
-    assert messages["minItems"] == 1 and messages["items"] == {"$ref": "#/components/schemas/ChatMessage"}
-    assert set(schemas["ChatMessage"]["required"]) == {"role", "content"}
+        branches = {b["title"]: b for b in schemas[name]["oneOf"]}
+        default = branches["sampler low_confidence"]
+        assert default["additionalProperties"] is False and "sampler" not in default["required"]
+        props = default["properties"]
+        assert props["max_tokens"]["anyOf"][0] == {"type": "integer", "minimum": 1, "maximum": 255}
+        assert props["n"]["anyOf"][0] == {"type": "integer", "enum": [1]}
+        assert props["model"]["anyOf"][0] == {"type": "string", "enum": ["tiny-llada"]}
+        assert props["top_p"]["anyOf"][0] == {"enum": [1]}  # (low_confidence takes no top_p)
+        assert props["cache"]["anyOf"][0]["enum"][0] == "none" and "dual" in props["cache"]["anyOf"][0]["enum"]
+        wino = branches["sampler wino"]
+        assert wino["required"] == [*default["required"], "sampler"] and wino["properties"]["sampler"] == {
+            "const": "wino"}
+        assert wino["properties"]["remask_threshold"]["anyOf"] == [  # (0, or what float32 math survives)
+            {"type": "number", "const": 0}, {"type": "number", "minimum": 1e-30, "maximum": 1e30}]
+        assert wino["properties"]["rule"]["enum"] == ["official", "d2cache"]
+        assert "elastic" not in wino["properties"]["cache"]["anyOf"][0]["enum"]  # (its extra rows)
+        assert "threshold" in wino["properties"] and "threshold" not in default["properties"]
+        assert branches["sampler klass"]["properties"]["top_p"]["anyOf"][0]["maximum"] == 1.0
+        assert "sampler daedal" not in branches and {t.split()[1] for t in branches} <= set(SAMPLERS.classes)
+        answers = operation["responses"]
+        assert set(answers["200"]["content"]) == {"application/json", "text/event-stream"}
+        assert {"400", "413", "429", "500", "503"} <= set(answers)
+        assert answers["429"]["content"]["application/json"]["schema"]["required"] == ["error"]
+    message = schemas["ChatMessage"]["properties"]
+    assert message["role"]["enum"] == ["system", "user", "assistant"]
+    assert schemas["CompletionRequest"]["oneOf"][0]["properties"]["prompt"]["anyOf"][0]["pattern"].startswith("^[")
+    (kind,) = spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    with urllib.request.urlopen(server.url + "/metrics") as r:
+        assert r.headers["content-type"] == kind
+    assert {"200", "503"} <= set(spec["paths"]["/ready"]["get"]["responses"])
+
+
+def test_schema_valid_requests_are_answered(server):
+    """Schemathesis draws schema-valid requests for every operation from the published schema (about 30 s): no
+    server error, every answer as the schema declares it, and at least 70% answered 2xx here (what the schema
+    cannot say, such as a prompt and answer that overflow the context, gets its 400; 100 a path: 86.8%)."""
+    pytest.importorskip("schemathesis")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from schema_fuzz import fuzz
+
+    result = fuzz(server.url, examples=40)
+    assert result["server_errors"] == 0 and result["mismatches"] == [], result
+    assert result["requests"] >= 30 and result["ok_share"] >= 0.7, result
+
+
+def test_null_is_a_field_left_out_and_4_0_is_4(server):
+    plain = post(server.url + "/v1/completions", {"prompt": "copy: abcd", "seed": 3, "max_tokens": 4})
+    same = post(server.url + "/v1/completions", {"prompt": "copy: abcd", "seed": 3.0, "max_tokens": 4.0,
+                                                 "stop": None, "n": None, "sampler": None, "logprobs": None})
+    assert plain[0] == same[0] == 200 and plain[1]["choices"] == same[1]["choices"]
 
 
 @pytest.mark.parametrize("messages", ["hi", [], [{"role": "user"}], [{"role": 3, "content": "copy: ab"}],
@@ -375,8 +435,9 @@ def test_a_stop_string_split_between_blocks_is_never_streamed(server):
     assert whole["usage"]["completion_tokens"] == len("#### abcd")  # through the stop string, as vLLM counts
 
 
-def test_a_request_that_fails_to_join_fails_alone(tiny, monkeypatch):
-    """An unexpected error while one request joins the batch answers that request (500, counted), no other."""
+def test_a_request_that_fails_to_join_fails_alone(tiny, monkeypatch, capfd):
+    """An unexpected error while one request joins the batch answers that request (500, counted), no other; the
+    engine's log line names it by its X-Request-ID."""
     from dllm.engine import Batch
     add = Batch.add
 
@@ -390,8 +451,9 @@ def test_a_request_that_fails_to_join_fails_alone(tiny, monkeypatch):
     with LocalServer(EngineClient.on_thread(model, tok, "tiny-llada", DEFAULTS)) as local:  # patched: this process
         long = {**chat("reverse: hello123"), "gen_length": 128, "ignore_eos": True}
         answers = {}
-        threads = [threading.Thread(target=lambda k=k, b=b: answers.__setitem__(k, post(
-            local.url + "/v1/chat/completions", b))) for k, b in [("long", long), ("bad", chat("copy: ab", seed=13))]]
+        threads = [threading.Thread(target=lambda k=k, b=b: answers.__setitem__(k, request(
+            local.url + "/v1/chat/completions", b, {"X-Request-ID": f"trace-{k}"})[:2]))
+            for k, b in [("long", long), ("bad", chat("copy: ab", seed=13))]]
         for t in threads:
             t.start()
             time.sleep(0.3)
@@ -402,6 +464,69 @@ def test_a_request_that_fails_to_join_fails_alone(tiny, monkeypatch):
     assert answers["bad"][0] == 500 and "RuntimeError: boom" in answers["bad"][1]["error"]["message"]
     assert answers["long"][0] == 200
     assert 'dllm_requests_total{endpoint="chat",outcome="error"} 1.0' in metrics
+    assert "dllm engine: request trace-bad failed: RuntimeError: boom\n" in capfd.readouterr().err
+
+
+def request(url: str, body: dict | None = None, headers: dict | None = None) -> tuple[int, dict | str, dict]:
+    """A GET (a POST of `body`) with `headers`: the status, the answer (JSON, or text) and the headers."""
+    data = None if body is None else json.dumps(body).encode()
+    try:
+        r = urllib.request.urlopen(urllib.request.Request(url, data, headers or {}), timeout=120)
+    except urllib.error.HTTPError as e:
+        r = e
+    with r:
+        raw, kind = r.read().decode(), r.headers.get("content-type", "")
+        return r.status, json.loads(raw) if kind == "application/json" else raw, dict(r.headers)
+
+
+def test_a_request_id_is_echoed_or_made(server):
+    """X-Request-ID: the client's comes back on the answer (an error's too), each request without one gets a new
+    one, and one that is not 1-128 visible ASCII characters is a 400."""
+    status, _, headers = request(server.url + "/v1/chat/completions", chat("copy: abcd"), {"X-Request-ID": "abc-42"})
+    assert status == 200 and headers["x-request-id"] == "abc-42"
+    status, _, headers = request(server.url + "/v1/chat/completions", {"messages": []}, {"X-Request-ID": "abc-43"})
+    assert status == 400 and headers["x-request-id"] == "abc-43"
+    made = [request(server.url + path)[2]["x-request-id"] for path in ("/health", "/health", "/metrics")]
+    assert len(set(made)) == 3 and all(len(m) == 32 for m in made)
+    status, answer, _ = request(server.url + "/health", headers={"X-Request-ID": "x" * 129})
+    assert status == 400 and answer["error"]["message"].startswith("X-Request-ID must be 1 to 128 visible ASCII")
+
+
+def test_past_max_waiting_a_request_gets_429_with_retry_after(tiny):
+    """--max-waiting 1 behind --max-batch 1: one request decodes, one waits, the third gets 429 with Retry-After
+    (none is queued without bound); once they are answered, requests are taken again."""
+    model, tok = tiny
+    with LocalServer(EngineClient.spawn(EngineSpec("tiny-llada", max_batch=1), DEFAULTS, max_waiting=1)) as local:
+        long = chat("reverse: hello123", gen_length=224, block_length=32, ignore_eos=True)
+        answers = {}
+        threads = [threading.Thread(target=lambda k=k: answers.__setitem__(k, post(local.url + "/v1/chat/completions",
+                                                                                    long))) for k in range(2)]
+        for t in threads:
+            t.start()
+        wait_rows(local.url, 1)
+        deadline = time.monotonic() + 60
+        while local.engine.jobs.__len__() < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        status, answer, headers = request(local.url + "/v1/chat/completions", chat("copy: abcd"))
+        assert status == 429 and headers["retry-after"] == "1", (status, answer)
+        assert answer["error"]["message"] == ("1 requests wait for a batch slot already (this server's --max-waiting); "
+                                              "retry later")
+        for t in threads:
+            t.join(timeout=120)
+        assert [answers[k][0] for k in range(2)] == [200, 200]
+        assert post(local.url + "/v1/chat/completions", chat("copy: abcd"))[0] == 200
+
+
+def test_metrics_count_steps_by_the_rows_of_their_batch(server):
+    """dllm_batch_rows_per_step: one observation per decoding step, of its batch's rows (a lone request: 1)."""
+    before = metric_values(server.url)
+    post(server.url + "/v1/chat/completions", chat("copy: abcd", gen_length=32, block_length=32))
+    after = metric_values(server.url)
+    grown = {k: after[k] - before.get(k, 0) for k in after if k.startswith("dllm_batch_rows_per_step")}
+    steps = after["dllm_engine_steps_total"] - before["dllm_engine_steps_total"]
+    assert grown["dllm_batch_rows_per_step_count"] == steps > 0 and grown["dllm_batch_rows_per_step_sum"] == steps
+    assert grown['dllm_batch_rows_per_step_bucket{le="1.0"}'] == steps
 
 
 def test_elastic_requests_decode_alone(tiny):
@@ -464,9 +589,11 @@ def test_a_client_that_disconnects_stops_its_row(server):
     (["--port", "99999"], "--port must be between 0 and 65535"),
     (["--ray-address", "10.0.0.1:6379"], "--ray-address needs --replicas N"),
     (["--port", "{taken}"], "cannot listen on 127.0.0.1:{taken} (Address already in use); pick another --port"),
+    (["--host", "256.1.1.1"], "--host '256.1.1.1' is not a valid address or a name this machine resolves"),
 ])
 def test_serve_refuses_to_start_what_cannot_answer(args, message):
-    """Defaults that fail every request, a bad or taken port: one error line before listening, exit 2."""
+    """Defaults that fail every request, a bad or taken port, a host that is no address: one error line before
+    listening, exit 2."""
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = str(taken.getsockname()[1])
         args = [a.replace("{taken}", port) for a in args]

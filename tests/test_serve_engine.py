@@ -6,6 +6,7 @@ import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +21,7 @@ pytest.importorskip("zmq")
 psutil = pytest.importorskip("psutil")
 
 import dllm  # noqa: E402
+import dllm.serve  # noqa: E402
 from conftest import serve  # noqa: E402
 from dllm.serve import EngineClient, LocalServer, post  # noqa: E402
 from test_serve import DEFAULTS, SPEC, chat, metric_values, text_of, wait_rows  # noqa: E402
@@ -89,20 +91,35 @@ def stream_error(lines: list[str]) -> dict:
     return events[-1]["error"]
 
 
+def answer_of(url: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+    """A GET (or a POST of `body`): its status and JSON answer."""
+    data = None if body is None else json.dumps(body).encode()
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url + path, data), timeout=WAIT) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
 def test_sigterm_lets_requests_finish_then_both_processes_exit_0(tiny):
+    """While the request in flight finishes, the port stays open: a new request and /ready get 503, /health 200
+    (the engine runs); then the port closes and both processes exit 0."""
     proc, url = serve()
     engine = engine_of(proc)
     results, threads = in_flight(url, [(LONG, False)])
     wait_rows(url, 1)
     proc.send_signal(signal.SIGTERM)
     time.sleep(0.5)
-    with pytest.raises(OSError):  # the listener is closed: new requests are refused
-        urllib.request.urlopen(url + "/health", timeout=5)
+    status, answer = answer_of(url, "/v1/chat/completions", chat("copy: abcd"))
+    assert status == 503 and "shutting down" in answer["error"]["message"], answer
+    assert answer_of(url, "/ready")[0] == 503 and answer_of(url, "/health")[0] == 200
     joined(threads)
     assert proc.wait(timeout=WAIT) == 0, proc.stdout.read()  # only when the engine exited 0 too
     assert not engine.is_running()
     (status, answer), = results
     assert status == 200 and text_of(answer) == long_answer(*tiny)
+    with pytest.raises(OSError):  # the port has closed
+        urllib.request.urlopen(url + "/health", timeout=5)
 
 
 def test_sigterm_ends_what_does_not_finish_within_the_timeout():
@@ -171,8 +188,8 @@ def test_engine_restart_fails_the_requests_in_flight_then_serves_again(tiny):
 
 
 def test_a_draining_server_answers_503_and_finishes_what_it_holds(tiny):
-    """Draining (what SIGTERM starts): new requests and /health get 503, the request in flight is answered, and
-    the engine process exits 0."""
+    """Draining (what SIGTERM starts): new requests and /ready get 503 (/health 200: the engine runs), the request
+    in flight is answered, and the engine process exits 0."""
     with LocalServer(EngineClient.spawn(SPEC, DEFAULTS)) as local:
         engine, url = local.engine, local.url
         results, threads = in_flight(url, [(LONG, False)])
@@ -184,9 +201,7 @@ def test_a_draining_server_answers_503_and_finishes_what_it_holds(tiny):
             time.sleep(0.01)
         status, answer = post(url + "/v1/chat/completions", chat("copy: abcd"))
         assert status == 503 and "shutting down" in answer["error"]["message"]
-        with pytest.raises(urllib.error.HTTPError) as info:
-            urllib.request.urlopen(url + "/health", timeout=5)
-        assert info.value.code == 503
+        assert answer_of(url, "/ready")[0] == 503 and answer_of(url, "/health")[0] == 200
         joined(threads)
         (status, answer), = results
         assert status == 200 and text_of(answer) == long_answer(*tiny)
@@ -196,9 +211,109 @@ def test_a_draining_server_answers_503_and_finishes_what_it_holds(tiny):
 
 def test_an_engine_whose_server_was_killed_exits():
     """The HTTP process killed (SIGKILL: no drain): its engine process notices within seconds and exits, not left
-    holding the model."""
+    holding the model, and removes the sockets' folder that the HTTP process would have removed."""
     proc, url = serve()
     engine = engine_of(proc)
+    inbox = engine.cmdline()[-3]
+    folder = os.path.dirname(inbox.removeprefix("ipc://"))
+    assert inbox.startswith("ipc://") and os.path.isdir(folder)
     proc.kill()
     proc.wait(timeout=WAIT)
     engine.wait(timeout=30)
+    assert not os.path.exists(folder)
+
+
+FAILING_ENGINE = """
+import os, sys, time, zmq
+from dllm.serve.messages import Add, Exit, Ready, encode, to_engine
+context = zmq.Context()
+pull, push = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+pull.connect(sys.argv[1])
+push.connect(sys.argv[2])
+if os.path.exists(sys.argv[3]):  # a restart: ready after the test has looked
+    time.sleep(30)
+open(sys.argv[3], "w").close()
+push.send(encode(Ready(os.getpid())))
+while not isinstance(to_engine(pull.recv()), Add):
+    pass
+push.send(encode(Exit("error", "RuntimeError: the engine broke")))
+time.sleep(60)  # (a failed engine whose process takes its time to end: ranks to stop, memory to free)
+"""
+
+
+class FailingEngine(dllm.serve.EngineSpec):
+    """An engine process that fails at its first request, says so, and lingers before it exits."""
+
+    def __init__(self, marker: str):
+        super().__init__("tiny-llada")
+        self.marker = marker
+
+    def argv(self, inbox: str, outbox: str) -> list[str]:
+        return [sys.executable, "-c", FAILING_ENGINE, inbox, outbox, self.marker]
+
+
+def test_an_engine_that_says_it_failed_is_dead_at_once(tmp_path):
+    """The engine says it failed (its process still running): the request in flight gets the error at once, and
+    /health, /ready and a new request 503 while a new engine starts (they waited for the process's end: 200s,
+    and a request that hung on the dying engine)."""
+    client = EngineClient.spawn(FailingEngine(str(tmp_path / "started")), DEFAULTS, restart=True)
+    with LocalServer(client) as local:
+        began = time.monotonic()
+        status, answer = post(local.url + "/v1/chat/completions", chat("copy: abcd"), timeout=WAIT)
+        assert status == 503 and "the engine broke" in answer["error"]["message"], answer
+        assert time.monotonic() - began < 20
+        for path in ("/health", "/ready", "/v1/chat/completions"):
+            status, answer = answer_of(local.url, path, chat("copy: abcd") if path.startswith("/v1") else None)
+            assert status == 503 and "restarting" in answer["error"]["message"], (path, answer)
+
+
+def test_engine_restart_at_its_limit_says_so_in_the_last_line():
+    """--engine-restart past its limit (0 restarts here, 3 in 300 s by default): the server stops, exit 1, and its
+    last line says that --engine-restart gave up, and why the engine failed."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = ("import sys, dllm.serve.engine_client as c; c.RESTARTS = 0; from dllm.cli import main; "
+            f"sys.exit(main(['serve', '--engine-restart', '--port', '{port}']))")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + WAIT
+    while answer_of_or_none(f"http://127.0.0.1:{port}/ready") != 200:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+        time.sleep(0.2)
+    engine_of(proc).kill()
+    assert proc.wait(timeout=WAIT) == 1
+    last = proc.stdout.read().strip().splitlines()[-1]
+    assert last.startswith("dllm: the engine failed (its process ended with code -9; --engine-restart gave up: "
+                           "0 restarts within 300 s is its limit)"), last
+
+
+def answer_of_or_none(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return None
+
+
+def test_ready_says_whether_the_engine_answers_health_whether_it_runs(monkeypatch):
+    """A stopped engine process (SIGSTOP: as one stuck in a step) is not ready after SILENT_SECONDS without a word
+    from it (2 s here), though alive; once it runs again it is ready again."""
+    import dllm.serve.engine_client as engine_client
+
+    monkeypatch.setattr(engine_client, "SILENT_SECONDS", 2.0)
+    with LocalServer(EngineClient.spawn(SPEC, DEFAULTS)) as local:
+        assert answer_of(local.url, "/ready") == (200, {"status": "ready"})
+        os.kill(local.engine.pid, signal.SIGSTOP)
+        try:
+            time.sleep(4)
+            status, answer = answer_of(local.url, "/ready")
+            assert status == 503 and "the engine has not answered for" in answer["error"]["message"], answer
+            assert answer_of(local.url, "/health")[0] == 200
+        finally:
+            os.kill(local.engine.pid, signal.SIGCONT)
+        deadline = time.monotonic() + WAIT
+        while answer_of(local.url, "/ready")[0] != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)

@@ -5,8 +5,10 @@ import ipaddress
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -17,6 +19,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install -e '.[ray]'")
 
 from dllm.cli import main  # noqa: E402
+from dllm.core.errors import DllmError  # noqa: E402
+from dllm.serve.ray import local_ray_dir  # noqa: E402
 
 WAIT = 120  # seconds any one wait may take (nothing hangs)
 
@@ -39,6 +43,23 @@ def _session(pid: int) -> int | None:
         return os.getsid(pid)
     except OSError:
         return None
+
+
+def _cmdline(process: psutil.Process) -> list[str]:
+    try:
+        return process.cmdline()
+    except psutil.Error:
+        return []
+
+
+def test_the_local_ray_folder_is_private_and_someone_elses_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    folder = local_ray_dir()
+    assert folder == str(tmp_path / f"dllm-ray-{os.getuid()}") and stat.S_IMODE(os.stat(folder).st_mode) == 0o700
+    assert local_ray_dir() == folder  # (found again)
+    os.chmod(folder, 0o777)  # as another user could have made it, before us
+    with pytest.raises(DllmError, match=f"{folder} is not a folder private to this user .* mode 777"):
+        local_ray_dir()
 
 
 def loopback(ip: str) -> bool:
@@ -64,6 +85,12 @@ def test_a_local_ray_instance_listens_on_loopback_only():
                         break
             except OSError:
                 time.sleep(1)
+        folder = local_ray_dir()  # Ray's folders (sessions, logs, the raylet's and object store's sockets) are in
+        # a folder private to the user, not in the shared /tmp/ray that Ray opens to every local user
+        assert stat.S_IMODE(os.lstat(folder).st_mode) == 0o700 and os.lstat(folder).st_uid == os.getuid()
+        socket_files = [arg.split("=", 1)[1] for p in psutil.process_iter() if _session(p.pid) == proc.pid
+                        for arg in _cmdline(p) if arg.startswith(("--raylet_socket_name=", "--store_socket_name="))]
+        assert socket_files and all(path.startswith(folder + os.sep) for path in socket_files), socket_files
         sockets = listening(proc.pid)
         print("\n" + "\n".join(f"{name:24} {ip}:{p}" for name, ip, p in sockets))
         assert len({name for name, _, _ in sockets}) >= 5, sockets  # Ray's own processes were found
@@ -118,3 +145,15 @@ def test_what_a_replica_would_refuse_is_refused_before_ray_starts(flags, message
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=WAIT)
     assert (proc.returncode, proc.stdout) == (2, "False\n"), proc.stderr
     assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+
+
+def test_a_replica_of_a_small_model_runs_torch_on_one_thread_whatever_its_cpus():
+    """A replica's engine runs torch on the CPUs Ray reserved for it, but on one thread for a model under 10M
+    parameters (`dllm serve --replicas 1` on 2 cores gave tiny-llada's engine 2 threads, which spun: 12x the CPU
+    seconds for the same answers on a busy machine)."""
+    from dllm.models.threads import physical_cores
+    from dllm.serve.ray import ReplicaOptions, build_engine
+
+    assert build_engine(ReplicaOptions(num_cpus=2, device="cpu")).spec.threads == 1
+    larger = build_engine(ReplicaOptions(model="random:llada-small", num_cpus=2, device="cpu"))
+    assert larger.reader.model.config.num_parameters() > 10_000_000 and larger.spec.threads == min(2, physical_cores())

@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--max-batch", type=int, default=8, help="rows decoded together at most")
+    s.add_argument("--max-waiting", type=int, default=256, metavar="N",
+                   help="requests waiting for a batch slot at most; beyond them a request gets 429 with Retry-After")
     s.add_argument("--name", default=None, help="model name clients send and /v1/models lists (default: --model)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for requests in flight before cancelling them")

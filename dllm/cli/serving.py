@@ -31,6 +31,8 @@ def serve_defaults(args) -> dict[str, Any]:
                         f"pip install 'dllm-fast[serve]' (from a checkout: pip install -e '.[serve]')") from None
     if args.max_batch < 1:
         raise DllmError(f"--max-batch must be at least 1, got {args.max_batch}")
+    if getattr(args, "max_waiting", 0) < 0:
+        raise DllmError(f"--max-waiting must be 0 or more, got {args.max_waiting}")
     fixed_length_only(args, "batches requests between blocks at fixed answer lengths")
     check_parallel_flags(args)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -70,8 +72,12 @@ def _check_port(host: str, port: int) -> None:
         with socket.create_server((host, port)):
             pass
     except OSError as e:
-        reason = os.strerror(e.errno) if e.errno else str(e)
-        raise DllmError(f"cannot listen on {host}:{port} ({reason}); pick another --port or --host") from None
+        if e.errno is None or e.errno >= 0:
+            reason = os.strerror(e.errno) if e.errno else str(e)
+            raise DllmError(f"cannot listen on {host}:{port} ({reason}); pick another --port or --host") from None
+        # getaddrinfo's (negative) error: not an address, nor a name this machine resolves ("Unknown error -2")
+        raise DllmError(f"--host {host!r} is not a valid address or a name this machine resolves; give an IP "
+                        f"address of this machine (127.0.0.1, 0.0.0.0) or its name") from None
 
 
 def serve_command(args) -> int:
@@ -90,18 +96,22 @@ def serve_command(args) -> int:
         options = dict(serve_defaults(args), model=args.model, device=args.device, dtype=args.dtype,
                        quantize=args.quantize, quantize_head=args.quantize_head, compile=args.compile,
                        max_batch=args.max_batch, name=args.name, num_replicas=args.replicas,
-                       prefix_cache_mb=args.prefix_cache_mb, shutdown_timeout=args.shutdown_timeout)
+                       prefix_cache_mb=args.prefix_cache_mb, shutdown_timeout=args.shutdown_timeout,
+                       max_waiting=args.max_waiting)
         return serve_replicas(options, args.ray_address, args.host, args.port, args.threads)
     if args.ray_address is not None:
         raise DllmError("--ray-address needs --replicas N (the replicas to deploy on that cluster)")
     _check_port(args.host, args.port)
     model, tok, defaults = serve_setup(args, weights=False)  # the weights load in the engine process
     engine = EngineClient(RequestReader(model, tok, args.name or args.model, defaults, args.compile),
-                          engine_spec(args), restart=args.engine_restart)
+                          engine_spec(args), restart=args.engine_restart, max_waiting=args.max_waiting)
     engine.check_defaults()
     engine.start()
     server(create_app(engine), args.host, args.port, args.shutdown_timeout, engine).run()
-    return 1 if engine.failed else 0
+    if engine.failed:  # the last line says why (after uvicorn's own)
+        print(f"dllm: {engine.failure}", file=sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 def bench_serve_command(args) -> int:

@@ -18,6 +18,10 @@ from .checks import choose_from
 from .errors import DllmError, DllmNotice
 
 
+FLOAT_SMALLEST, FLOAT_LARGEST = 1e-30, 1e30  # a float parameter's magnitude (0 aside): what float32 math survives
+INT_LARGEST = 2 ** 31 - 1  # an integer parameter's: a count or an index
+
+
 def param(default: Any, doc: str, *, ge: float | None = None, le: float | None = None, gt: float | None = None,
           lt: float | None = None, choices: tuple | None = None, allow_inf: bool = False) -> Any:
     """A policy parameter. Floats must be finite unless `allow_inf` (e.g. a threshold that inf switches off)."""
@@ -102,6 +106,12 @@ class Params:
                 continue
             if isinstance(value, float) and math.isinf(value) and not m.get("allow_inf"):
                 raise DllmError(f"{where} must be finite, got {value}; give a number")
+            if isinstance(value, float) and not math.isinf(value) and value and not \
+                    FLOAT_SMALLEST <= abs(value) <= FLOAT_LARGEST:
+                raise DllmError(f"{where}={value} is out of range; give 0 or a magnitude between {FLOAT_SMALLEST} "
+                                f"and {FLOAT_LARGEST} (it enters float32 tensors)")
+            if isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT_LARGEST:
+                raise DllmError(f"{where}={value} is out of range; it must be at most {INT_LARGEST} in magnitude")
             for key, ok, word in (("ge", lambda v, b: v >= b, ">="), ("le", lambda v, b: v <= b, "<="),
                                   ("gt", lambda v, b: v > b, ">"), ("lt", lambda v, b: v < b, "<")):
                 if m.get(key) is not None and not ok(value, m[key]):

@@ -1,17 +1,26 @@
 """The request bodies of /v1/completions and /v1/chat/completions as typed models (pydantic, which FastAPI brings):
 OpenAI's fields and our per-request extensions, described in /openapi.json for client generators and API fuzzers.
 
-A body is checked against its model once, strictly (no "1" for 1, no 1 for true), as the first of
+A body is checked against its model once, strictly (no "1" for 1, no 1 for true; 4.0 is 4, as JSON Schema counts
+integers; null is the field left out), as the first of
 `RequestReader.job`'s checks; what a type cannot say (a sampler's name, a parameter's range, one prompt per
 request) the reader checks after. A body that does not fit is a one-line `DllmError` naming the field and what
 it takes (HTTP 400)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from ..core.errors import DllmError
+
+
+def _integral(value: Any) -> Any:
+    """A number with no fraction is an integer, as JSON Schema counts them (4.0 for 4); true is not."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
 
 
 def _field(doc: str, **kwargs) -> Any:
@@ -39,15 +48,15 @@ class Decoding(_Strict):
     (`dllm list samplers`), e.g. `"threshold": 0.9`."""
 
     model: str | None = _field("the served model's name (GET /v1/models); any other is refused")
-    max_tokens: int | None = _field("answer tokens at most (>= 1): the answer is cut there, finish_reason length")
-    max_completion_tokens: int | None = _field("max_tokens under its newer name")
+    max_tokens: Int | None = _field("answer tokens at most (>= 1): the answer is cut there, finish_reason length")
+    max_completion_tokens: Int | None = _field("max_tokens under its newer name")
     temperature: float | None = _field("sampling temperature, a sampler parameter (0: greedy)")
     top_p: float | None = _field("nucleus sampling, for a sampler that takes it (Dream's); else only 1")
-    seed: int | None = _field("the random stream of this request's row (0 .. 2^63-1)")
+    seed: Int | None = _field("the random stream of this request's row (0 .. 2^63-1)")
     stream: bool | None = _field("send server-sent events, a chunk per decoded block")
     stream_options: dict[str, Any] | None = _field("accepted, no effect")
     stop: str | list[str] | None = _field("strings that end the answer (not sent)")
-    n: int | None = _field("answers per request: 1 only")
+    n: Int | None = _field("answers per request: 1 only")
     user: str | None = _field("accepted, no effect")
     frequency_penalty: float | None = _field("only 0")
     presence_penalty: float | None = _field("only 0")
@@ -74,9 +83,9 @@ class Decoding(_Strict):
     cache: str | None = _field("the cache (`dllm list caches`; default: the server's)")
     sampler_args: dict[str, Any] | None = _field("the sampler's parameters (also given by name beside it)")
     cache_args: dict[str, Any] | None = _field("the cache's parameters (also given by name beside it)")
-    gen_length: int | None = _field("answer positions, a multiple of block_length (default: the server's)")
-    block_length: int | None = _field("positions decoded together as one block")
-    steps: int | None = _field("decoding steps over the answer (default: gen_length)")
+    gen_length: Int | None = _field("answer positions, a multiple of block_length (default: the server's)")
+    block_length: Int | None = _field("positions decoded together as one block")
+    steps: Int | None = _field("decoding steps over the answer (default: gen_length)")
     cfg_scale: float | None = _field("LLaDA's classifier-free guidance (0: none)")
     logits_eos_inf: bool | None = _field("LLaDA's: never propose EOS")
     confidence_eos_eot_inf: bool | None = _field("LLaDA's: commit EOS and EoT predictions last")
@@ -90,8 +99,8 @@ class Decoding(_Strict):
 class CompletionRequest(Decoding):
     """POST /v1/completions: a raw prompt, as `dllm generate --no-chat`."""
 
-    prompt: str | list[str] | list[int] = Field(description="the text (or a list of one), or its token ids")
-    logprobs: int | None = _field("alternatives per answer token to return with its log-probability (0 .. 20)")
+    prompt: str | list[str] | list[Int] = Field(description="the text (or a list of one), or its token ids")
+    logprobs: Int | None = _field("alternatives per answer token to return with its log-probability (0 .. 20)")
 
 
 class ChatRequest(Decoding):
@@ -99,7 +108,7 @@ class ChatRequest(Decoding):
 
     messages: list[ChatMessage] = Field(min_length=1, description="the conversation so far")
     logprobs: bool | None = _field("return each answer token's log-probability")
-    top_logprobs: int | None = _field("alternatives per token with logprobs: true (0 .. 20)")
+    top_logprobs: Int | None = _field("alternatives per token with logprobs: true (0 .. 20)")
 
 
 EXPECTS = {  # what a field takes, in an error message (after "must be")
@@ -124,7 +133,7 @@ def read(body: Any, chat: bool) -> dict[str, Any]:
     that does not fit, one line)."""
     model = ChatRequest if chat else CompletionRequest
     try:
-        return model.model_validate(body).model_dump(exclude_unset=True)
+        return model.model_validate(body).model_dump(exclude_unset=True, exclude_none=True)
     except ValidationError as e:
         raise DllmError(_message(e.errors()[0], body, chat)) from None
 
@@ -135,6 +144,9 @@ def _message(error: dict, body: Any, chat: bool) -> str:
     name = error["loc"][0]
     if error["type"] == "missing" and len(error["loc"]) == 1:
         return f"{name} is missing; give {EXPECTS[name]}"
+    if name == "gen_length" and body[name] == "auto":
+        return ("gen_length auto (DAEDAL) is not served: it grows each answer while decoding, and the server "
+                "batches rows of fixed lengths between blocks; send gen_length as a number (or leave it out)")
     value = f"{body[name]!r:.80}"
     expects = CHAT_EXPECTS.get(name) if chat else None
     return expects.format(value=value) if expects else f"{name} must be {EXPECTS[name]}, got {value}"

@@ -31,10 +31,15 @@ from .scheduler import Engine
 READY_SECONDS = 600.0  # a new engine process has this long to load its model
 RESTARTS, RESTART_WINDOW = 3, 300.0  # at most this many engine restarts in this many seconds
 EXIT_SECONDS = 10.0  # after its drain deadline, an engine process has this long to exit before it is killed
+SILENT_SECONDS = 10.0  # an engine not heard from for this long is not ready (it sends its numbers every second)
 
 
 class Unavailable(Exception):
     """The server takes no request now (HTTP 503): it is shutting down, or its engine is starting or has died."""
+
+
+class Full(Exception):
+    """`max_waiting` requests wait for a batch slot already (HTTP 429 with Retry-After)."""
 
 
 class _Link:
@@ -52,6 +57,8 @@ class _Link:
         self.pull.bind(outbox)
         self.exit: Exit | None = None
         self.code: int | None = None
+        self.lost = False  # known dead (its Exit said it failed, or its process ended): its requests were ended
+        self.heard = time.monotonic()  # when the engine last sent a message
         self.stopping = False  # its reader thread ends
         self.followed = False  # a reader thread owns `pull`
         if spec is not None:
@@ -78,6 +85,7 @@ class _Link:
             self.join(EXIT_SECONDS)
             raise DllmError(f"the engine did not start: {_last_line(message.error)}")
         assert isinstance(message, Ready), message
+        self.heard = time.monotonic()
 
     def alive(self) -> bool:
         return self.process.poll() is None if self.process is not None else self.thread.is_alive()
@@ -137,7 +145,8 @@ class EngineClient:
     delivery; `submit`, `cancel`, `drain` and `close` run on the event loop."""
 
     def __init__(self, reader: RequestReader, spec: EngineSpec | None = None, engine: Engine | None = None,
-                 restart: bool = False, metrics: Metrics | None = None, ready_timeout: float = READY_SECONDS):
+                 restart: bool = False, metrics: Metrics | None = None, ready_timeout: float = READY_SECONDS,
+                 max_waiting: int = 256):
         import zmq
 
         if (spec is None) == (engine is None):
@@ -146,6 +155,10 @@ class EngineClient:
         self.prefix_cache_mb = spec.prefix_cache_mb if spec is not None else (1 if engine.prefix else 0)
         self.metrics = metrics or Metrics(with_prefix_cache=bool(self.prefix_cache_mb))
         self.ready_timeout = ready_timeout
+        # requests in flight at most: a full batch and `max_waiting` waiting for a slot (the engine admits a waiting
+        # request whenever a slot is free, so requests wait only behind a full batch)
+        self.max_waiting = max_waiting
+        self.max_jobs = (spec.max_batch if spec is not None else engine.max_batch) + max_waiting
         self.context = zmq.Context.instance()
         self.jobs: dict[str, Job] = {}  # requests in flight, by id (touched on the event loop only)
         self.link: _Link | None = None
@@ -154,17 +167,19 @@ class EngineClient:
         self.stats = Stats()  # the engine's latest numbers
         self.restarts: deque[float] = deque()
         self.failed = False  # the engine died and no new one was started: the server exits non-zero
+        self.failure = ""  # why, in a line
         self.on_fatal: Callable[[], None] | None = None
+        self.on_drained: Callable[[], None] | None = None  # a drain is over: the engine has exited
         self.drain_timeout = 0.0
 
     @classmethod
     def spawn(cls, spec: EngineSpec, defaults: dict[str, Any], name: str | None = None, restart: bool = False,
-              metrics: Metrics | None = None) -> EngineClient:
+              metrics: Metrics | None = None, max_waiting: int = 256) -> EngineClient:
         """A client of the engine process `spec` describes (started by `start`), which checks requests on the model
         without its weights; `defaults`: the server's decoding defaults (`requests.served_defaults`)."""
         model, tokenizer = spec.load(weights=False)
         return cls(RequestReader(model, tokenizer, name or spec.model, defaults, spec.compile), spec, restart=restart,
-                   metrics=metrics)
+                   metrics=metrics, max_waiting=max_waiting)
 
     @classmethod
     def on_thread(cls, model, tokenizer, name: str, defaults: dict[str, Any], max_batch: int = 8,
@@ -270,9 +285,13 @@ class EngineClient:
 
     # -- requests ---------------------------------------------------------------------------------------------
     def submit(self, job: Job) -> None:
-        """Send `job` to the engine (on the event loop); Unavailable: it takes no requests now."""
+        """Send `job` to the engine (on the event loop); Unavailable: it takes no requests now; Full: too many
+        wait."""
         if self.state != "ready":
             raise Unavailable(self.unavailable())
+        if len(self.jobs) >= self.max_jobs:
+            raise Full(f"{self.max_waiting} requests wait for a batch slot already (this server's --max-waiting); "
+                       f"retry later")
         self.jobs[job.id] = job
         if not self.link.send(job.message()):
             del self.jobs[job.id]
@@ -294,6 +313,7 @@ class EngineClient:
     def _received(self, link: _Link, message) -> None:
         if link is not self.link:
             return
+        link.heard = time.monotonic()
         if isinstance(message, Outputs):
             self.stats = message.stats
             self.metrics.engine(message.stats)
@@ -308,6 +328,7 @@ class EngineClient:
             link.exit = message
             if message.error:
                 print(f"dllm: the engine failed:\n{message.error}", file=sys.stderr, flush=True)
+                self._lost(link, _last_line(message.error))  # dead to us now, however long its process takes to end
 
     def _deliver(self, delta: Delta) -> None:
         """A delta becomes its job's events: text (with its logprobs), then the finish reason and usage; an error."""
@@ -343,22 +364,34 @@ class EngineClient:
     # -- the engine's end -------------------------------------------------------------------------------------
     def _exited(self, link: _Link, code: int) -> None:
         """`link`'s engine has ended (on the event loop): a shutdown carried out, or a failure."""
-        if link is not self.link:
+        if link is not self.link or link.lost:
             return
         link.code = code
-        expected = self.state in ("draining", "closed") and code == 0
-        if expected:
+        if self.state in ("draining", "closed") and code == 0:
             self._end_all(503, "the server shut down before the answer was complete")
+            if self.on_drained is not None:
+                self.on_drained()
             return
-        reason = _last_line(link.exit.error) if link.exit is not None and link.exit.error else \
-            f"its process ended with code {code}"
-        restart = self.state == "ready" and self.restart and self.spec is not None and self._may_restart()
+        self._lost(link, _last_line(link.exit.error) if link.exit is not None and link.exit.error else
+                   f"its process ended with code {code}")
+
+    def _lost(self, link: _Link, reason: str) -> None:
+        """`link`'s engine is dead (on the event loop): its requests are ended at once (503 where a new engine is
+        started, else 500), /health and new requests get 503; then a restart, or the server stops."""
+        link.lost = True
+        wanted = self.state == "ready" and self.restart and self.spec is not None
+        restart = wanted and self._may_restart()
         self._end_all(503 if restart else 500, f"the engine failed ({reason}); the request was not completed")
         link.close()
+        if link.returncode() is None:  # it said it failed: its process has this long to end
+            threading.Thread(target=link.join, args=(EXIT_SECONDS,), daemon=True).start()
         if restart:
             self.state = "restarting"
             print(f"dllm: the engine failed ({reason}); starting a new one", file=sys.stderr, flush=True)
             threading.Thread(target=self._relaunch, name="dllm-engine-restart", daemon=True).start()
+        elif wanted:
+            self._fatal(f"{reason}; --engine-restart gave up: {RESTARTS} restarts within {RESTART_WINDOW:.0f} s "
+                        f"is its limit")
         else:
             self._fatal(reason)
 
@@ -396,7 +429,8 @@ class EngineClient:
 
     def _fatal(self, reason: str) -> None:
         self.state, self.failed = "dead", True
-        print(f"dllm: the engine failed ({reason}); the server stops", file=sys.stderr, flush=True)
+        self.failure = f"the engine failed ({reason}); the server stops"
+        print(f"dllm: {self.failure}", file=sys.stderr, flush=True)
         if self.on_fatal is not None:
             self.on_fatal()
 
@@ -405,15 +439,20 @@ class EngineClient:
         """`drain`, from any thread (a signal handler)."""
         if self.loop is not None:
             self._call(self.drain, timeout)
+        elif self.on_drained is not None:
+            self.on_drained()
 
     def drain(self, timeout: float) -> None:
-        """Take no new requests; the engine finishes those in flight for at most `timeout` seconds, then exits (on
-        the event loop)."""
+        """Take no new requests (503); the engine finishes those in flight for at most `timeout` seconds, then exits
+        and `on_drained` is called (on the event loop; at once where no engine runs)."""
         if self.state == "ready":
             self.state, self.drain_timeout = "draining", timeout
             self.link.send(Shutdown(timeout))
-        elif self.state == "restarting":
+            return
+        if self.state == "restarting":
             self.state = "closed"
+        if self.state != "draining" and self.on_drained is not None:
+            self.on_drained()
 
     async def close(self) -> None:
         """Stop the engine (now, unless it is draining) and wait for it; then release the sockets."""
@@ -430,10 +469,21 @@ class EngineClient:
         self._end_all(503, "the server has stopped")
 
     def health(self) -> tuple[int, dict | str]:
-        """/health: 200 with the engine's queue while it takes requests, else 503 and why."""
-        if self.state != "ready":
+        """/health (liveness): 200 with the engine's queue while its engine process runs (also while it drains),
+        else 503 and why: it is restarting, or dead."""
+        if self.state not in ("ready", "draining") or self.link.lost:
             return 503, self.unavailable()
         return 200, {"status": "ok", "waiting": self.stats.waiting, "running": self.stats.rows}
+
+    def ready(self) -> tuple[int, dict | str]:
+        """/ready (readiness): 200 while requests are taken, the model is loaded and the engine has answered within
+        `SILENT_SECONDS` (it sends its numbers every second, busy or idle), else 503 and why."""
+        if self.state != "ready":
+            return 503, self.unavailable()
+        silent = time.monotonic() - self.link.heard
+        if silent > SILENT_SECONDS:
+            return 503, f"the engine has not answered for {silent:.0f} s; it may be stuck in a long step"
+        return 200, {"status": "ready"}
 
 
 def _endpoint(job: Job) -> str:

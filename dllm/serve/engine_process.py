@@ -7,13 +7,15 @@ tokens and the engine's numbers.
 loop: read the inbox (blocking up to a second while idle), run one block, send its outputs. The inbox is read
 again after every step, so an abort stops its row at the next step, and the step's events go out then (rows that
 asked for them). It leaves on `Shutdown` (exit 0, after the
-requests in flight finished or its timeout ended them with 503), when the HTTP process has gone (exit 0), or on an
+requests in flight finished or its timeout ended them with 503), when the HTTP process has gone (exit 0, after
+removing the sockets' folder, which the HTTP process would have removed), or on an
 error, which it sends (`Exit` with the traceback) before it exits 1. SIGINT and SIGTERM are ignored: a terminal's
 Ctrl-C or a service manager's signal reaches the whole process group, and the HTTP process drains the engine."""
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -27,7 +29,8 @@ from ..models.parallel import RankFailed
 from .messages import Abort, Add, Exit, Outputs, Ready, Shutdown, Steps, encode, to_engine
 from .scheduler import Engine
 
-IDLE_SECONDS = 1.0  # an idle engine sends its numbers, and checks that the HTTP process is there, this often
+IDLE_SECONDS = 1.0  # an idle engine sends its numbers, and checks that the HTTP process is there, this often (a
+# busy one sends them after every block, and between steps where a block takes longer)
 
 
 @dataclass
@@ -79,6 +82,9 @@ def serve(make_engine: Callable[[], Engine], inbox: str, outbox: str, parent: in
         engine = make_engine()
         push.send(encode(Ready(os.getpid())))
         reason = _run(engine, pull, push, parent)
+        if reason == "orphaned":  # the HTTP process was killed and left the sockets' private folder: no one reads
+            shutil.rmtree(os.path.dirname(inbox.removeprefix("ipc://")), ignore_errors=True)
+            return 0
         push.send(encode(Exit(reason)))
         return 0
     except RankFailed as error:  # a rank of a tensor-parallel model has gone: one line says which, no traceback
@@ -98,6 +104,11 @@ def _run(engine: Engine, pull, push, parent: int | None) -> str:
     import zmq
 
     deadline: list[float] = []  # set by a Shutdown
+    sent = [time.monotonic()]  # when the numbers last went out
+
+    def send(deltas: list) -> None:
+        push.send(encode(Outputs(deltas, engine.stats())))
+        sent[0] = time.monotonic()
 
     def receive(wait: float) -> None:
         """Apply the messages in the inbox, waiting up to `wait` seconds for the first."""
@@ -121,6 +132,8 @@ def _run(engine: Engine, pull, push, parent: int | None) -> str:
         if events:
             push.send(encode(Steps(events)))
         receive(0)
+        if time.monotonic() - sent[0] >= IDLE_SECONDS:  # a long block: the HTTP side still hears from us
+            send([])
         if deadline and time.monotonic() >= deadline[0] and engine.tasks:
             engine.end_all(503, "the server shut down before the answer was complete")
 
@@ -134,7 +147,7 @@ def _run(engine: Engine, pull, push, parent: int | None) -> str:
         between_steps()
         if engine.busy:
             engine.step()
-        push.send(encode(Outputs(engine.take(), engine.stats())))
+        send(engine.take())
         if deadline and not engine.busy:
             return "shutdown"
 

@@ -3,14 +3,17 @@ limits, and a uvicorn server whose SIGTERM drains the engine first. The engine r
 (`engine_client`)."""
 import asyncio
 import json
+import re
 import signal
 import threading
 import time
+import uuid
 from importlib import resources
 
 from ..core.errors import DllmError
 from .bodies import ChatRequest, CompletionRequest
-from .engine_client import EngineClient, Unavailable
+from .contract import declare
+from .engine_client import EngineClient, Full, Unavailable
 from .logprobs import LogprobsFormat
 from .requests import Job
 
@@ -30,7 +33,8 @@ def create_app(engine: EngineClient):
         await engine.close()
 
     app = FastAPI(title="dllm", lifespan=lifespan)
-    app.openapi = lambda: app.openapi_schema or _openapi(app)
+    app.add_middleware(RequestIds)
+    app.openapi = lambda: app.openapi_schema or _openapi(app, engine)
 
     def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
         return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
@@ -50,11 +54,15 @@ def create_app(engine: EngineClient):
         except DllmError as e:
             engine.metrics.requests.labels("chat" if chat else "completions", "bad_request").inc()
             return error(400, str(e))
-        job.events = asyncio.Queue()
+        job.events, job.request_id = asyncio.Queue(), request.scope[RequestIds.KEY]
         try:
             engine.submit(job)
         except Unavailable as e:
             return error(503, str(e), "unavailable")
+        except Full as e:
+            answer = error(429, str(e), "rate_limit_error")
+            answer.headers["Retry-After"] = str(RETRY_SECONDS)
+            return answer
         base = {"id": ("chatcmpl-" if chat else "cmpl-") + job.id, "created": int(job.created), "model": engine.name}
         logprobs = LogprobsFormat(engine.tokenizer, chat)
         if job.stream:
@@ -103,6 +111,11 @@ def create_app(engine: EngineClient):
         status, answer = engine.health()
         return answer if status == 200 else error(status, answer, "unavailable")
 
+    @app.get("/ready")
+    async def ready():
+        status, answer = engine.ready()
+        return answer if status == 200 else error(status, answer, "unavailable")
+
     @app.get("/metrics")
     async def metrics():
         return Response(engine.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -117,8 +130,9 @@ def _body_schema(model) -> dict:
         "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
 
 
-def _openapi(app) -> dict:
-    """FastAPI's schema, with the request body models (and the models they use) among its components."""
+def _openapi(app, engine: EngineClient) -> dict:
+    """FastAPI's schema, with the request body models (and the models they use) among its components, made this
+    server's contract (`contract.declare`)."""
     from fastapi.openapi.utils import get_openapi
 
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
@@ -127,7 +141,7 @@ def _openapi(app) -> dict:
         described = model.model_json_schema(ref_template="#/components/schemas/{model}")
         components.update(described.pop("$defs", {}))
         components[model.__name__] = described
-    app.openapi_schema = schema
+    app.openapi_schema = declare(schema, engine.reader)
     return schema
 
 
@@ -136,9 +150,51 @@ PLAYGROUND = (resources.files(__package__) / "static" / "playground.html").read_
 
 MAX_BODY_BYTES = 4 << 20  # far past any prompt a model's context holds
 
+RETRY_SECONDS = 1  # a 429's Retry-After: a block of a full batch takes about this long on a CPU
+
 INLINE_BYTES = 16 << 10  # bodies up to this are read on the event loop
 
-ANSWER_SECONDS = 5.0  # after the engine's drain deadline, for its 503s to reach their clients
+ANSWER_SECONDS = 5.0  # after the engine's drain, for the last answers to reach their clients
+
+EXIT_AFTER = 20.0  # after the drain's deadline, the port closes even if the engine has not said it is done
+
+
+class RequestIds:
+    """X-Request-ID on every answer: the client's (1-128 visible ASCII characters, echoed), else a new one; a
+    request's id rides to the engine (`Job.request_id`), whose log lines name it. A malformed one is a 400."""
+
+    KEY = "dllm.request_id"  # where the handlers find it in the ASGI scope
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"x-request-id")
+        valid = given is not None and REQUEST_ID.fullmatch(given)
+        scope[self.KEY] = given.decode() if valid else uuid.uuid4().hex
+        send = _with_id(send, scope[self.KEY])
+        if given is None or valid:
+            return await self.app(scope, receive, send)
+        body = json.dumps({"error": {"message": "X-Request-ID must be 1 to 128 visible ASCII characters; send "
+                                               "another or none (the server makes one)",
+                                     "type": "invalid_request_error", "code": 400}}).encode()
+        await send({"type": "http.response.start", "status": 400, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+REQUEST_ID = re.compile(rb"[!-~]{1,128}")
+
+
+def _with_id(send, request_id: str):
+    """`send` with the X-Request-ID header added to the response's start."""
+    async def sending(message):
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id.encode())]}
+        await send(message)
+    return sending
 
 
 async def _read_body(request) -> bytes | None:
@@ -208,17 +264,27 @@ async def _sse(engine: EngineClient, job: Job, base: dict, chat: bool, request, 
 
 def server(app, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: float = 30.0,
            engine: EngineClient | None = None, log_level: str = "info"):
-    """A uvicorn server for `app`. SIGTERM/SIGINT: new requests get 503, the engine lets those in flight finish for
-    at most `shutdown_timeout` seconds (then answers them 503) and exits, then the server exits 0 (uvicorn would
-    re-raise the signal); uvicorn itself waits `ANSWER_SECONDS` more for those answers to go out. An engine that
+    """A uvicorn server for `app`. SIGTERM/SIGINT drain: the port stays open and new requests (and /ready) get 503
+    while the engine lets those in flight finish for at most `shutdown_timeout` seconds (then answers them 503) and
+    exits; then uvicorn closes the port, waits `ANSWER_SECONDS` at most for the last answers to go out, and the
+    server exits 0 (uvicorn would re-raise the signal). A second signal closes the port at once. An engine that
     fails for good stops the server too (`engine.failed`: `dllm serve` exits 1)."""
     import uvicorn
 
     class Server(uvicorn.Server):
+        draining = False
+
         def handle_exit(self, sig, frame):
-            if engine is not None:
-                engine.drain_soon(shutdown_timeout)
-            super().handle_exit(sig, frame)
+            if engine is None or self.draining:
+                return super().handle_exit(sig, frame)
+            self.draining = True  # uvicorn's shutdown (the port closed) waits for the engine's drain: `drained`
+            engine.drain_soon(shutdown_timeout)
+            hung = threading.Timer(shutdown_timeout + EXIT_AFTER, self.drained)  # (an engine that hangs)
+            hung.daemon = True
+            hung.start()
+
+        def drained(self):
+            self.should_exit = True
 
         def run(self, sockets=None):
             # uvicorn re-raises the signal it caught once it has shut down, under the handlers it found: with ours
@@ -233,10 +299,10 @@ def server(app, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: flo
                     signal.signal(sig, handler)
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=shutdown_timeout + (ANSWER_SECONDS if engine else 0))
+                            timeout_graceful_shutdown=ANSWER_SECONDS if engine else shutdown_timeout)
     served = Server(config)
     if engine is not None:
-        engine.on_fatal = lambda: setattr(served, "should_exit", True)
+        engine.on_fatal = engine.on_drained = served.drained
     return served
 
 

@@ -35,6 +35,7 @@ class Add(_Message):
     stop_early: bool = True  # False: decode every block (ignore_eos)
     logprobs: int | None = None  # alternatives per answer token with its log-probability (None: none asked)
     step_events: bool = False  # send a `StepEvent` after every step that changed the answer's canvas
+    request_id: str = ""  # the client's X-Request-ID (or the server's), for the engine's log lines
 
 
 class Abort(_Message):
@@ -103,6 +104,7 @@ class Stats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     seconds: float = 0.0  # since the engine started
     busy: float = 0.0  # share of the last second spent inside the decode loop
     steps_per_s: float = 0.0  # over the last second
+    rows_per_step: list[int] = []  # steps run, by the rows of their batch (index: rows)
     prefix: PrefixStats | None = None
 
 
@@ -122,7 +124,7 @@ class Steps(_Message):
 
 
 class Exit(_Message):
-    reason: str  # "shutdown", "orphaned" (the HTTP process has gone) or "error"
+    reason: str  # "shutdown" or "error"
     error: str = ""  # the traceback of an error
 
 

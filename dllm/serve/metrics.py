@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from .messages import Stats
 
-BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)  # seconds
+SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+BUCKETS = {"rows_per_step": (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)}  # a histogram's, where not SECONDS
 
 METRICS = (  # attribute, kind, name, description, labels
     ("requests", "counter", "dllm_requests", "Requests answered, by endpoint and outcome", ("endpoint", "outcome")),
@@ -28,6 +29,8 @@ METRICS = (  # attribute, kind, name, description, labels
      "or running): busy_seconds over this is its busy share while requests wait", ()),
     ("busy", "gauge", "dllm_engine_busy", "Share of the engine's last second spent inside the decode loop", ()),
     ("restarts", "counter", "dllm_engine_restarts", "Engines started anew after a failure (--engine-restart)", ()),
+    ("rows_per_step", "histogram", "dllm_batch_rows_per_step", "Rows of the batch each decoding step computed",
+     ()),
     ("latency", "histogram", "dllm_request_latency_seconds", "Request latency, submit to last block", ()),
     ("first_block", "histogram", "dllm_first_block_seconds", "Submit to the first final block", ()),
 )
@@ -45,7 +48,7 @@ class Metrics:
         kinds = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
         self.registry = CollectorRegistry()
         for attribute, kind, name, description, labels in METRICS:
-            extra = {"buckets": BUCKETS} if kind == "histogram" else {}
+            extra = {"buckets": BUCKETS.get(attribute, SECONDS)} if kind == "histogram" else {}
             setattr(self, attribute, kinds[kind](name, description, labels, registry=self.registry, **extra))
         self.last = Stats()  # the engine's numbers as last counted
         self.committed_total = self.forwards_total = 0
@@ -65,6 +68,10 @@ class Metrics:
             grown = getattr(stats, name) - getattr(self.last, name)
             if grown > 0:
                 getattr(self, name).inc(grown)
+        known = self.last.rows_per_step
+        for rows, steps in enumerate(stats.rows_per_step):
+            for _ in range(steps - (known[rows] if rows < len(known) else 0)):
+                self.rows_per_step.observe(rows)
         self.committed_total += max(stats.committed - self.last.committed, 0)
         self.forwards_total += max(stats.forwards - self.last.forwards, 0)
         self.tokens_per_forward.set(self.committed_total / self.forwards_total if self.forwards_total else 0.0)

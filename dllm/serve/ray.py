@@ -14,7 +14,9 @@ import ipaddress
 import os
 import signal
 import socket
+import stat
 import sys
+import tempfile
 import threading
 from typing import Any
 
@@ -23,10 +25,11 @@ from pydantic import BaseModel, ConfigDict
 
 from ..core.checks import check_int
 from ..core.errors import DllmError
+from ..models.threads import default_threads
 from .http import create_app
 from .engine_client import EngineClient
 from .engine_process import EngineSpec
-from .metrics import BUCKETS, METRICS, Metrics
+from .metrics import BUCKETS, METRICS, SECONDS, Metrics
 from .requests import RequestReader, served_defaults
 
 APP_NAME = "dllm"
@@ -55,18 +58,15 @@ class ReplicaOptions(BaseModel):
     confidence_eos_eot_inf: bool = False
     compile: bool = False
     max_batch: int = 8
+    max_waiting: int = 256  # requests waiting in a replica's engine at most (beyond: 429)
     prefix_cache_mb: float = 0
     name: str | None = None
     num_replicas: int = 1
     autoscaling_config: dict[str, Any] | None = None  # instead of num_replicas: Ray Serve's autoscaling_config
-    num_cpus: float = 1.0  # per replica; its torch threads
+    num_cpus: float = 1.0  # per replica; its torch threads (one for a model under 10M parameters)
     num_gpus: float | None = None  # per replica; None: 1 on cuda, else 0
     max_ongoing_requests: int | None = None  # None: 2 * max_batch
     shutdown_timeout: float = 30.0  # seconds a stopping replica waits for its requests
-
-    @property
-    def threads(self) -> int:
-        return max(1, int(self.num_cpus))
 
     def check(self) -> None:
         """What can fail without the model fails here, before Ray starts anything (DllmError)."""
@@ -128,7 +128,7 @@ class ReplicaMetrics(Metrics):
 
         kinds = {"counter": metrics.Counter, "gauge": metrics.Gauge, "histogram": metrics.Histogram}
         for attribute, kind, name, description, labels in METRICS:
-            extra = {"boundaries": list(BUCKETS)} if kind == "histogram" else {}
+            extra = {"boundaries": list(BUCKETS.get(attribute, SECONDS))} if kind == "histogram" else {}
             remote = kinds[kind](name, description, tag_keys=labels, **extra)
             setattr(self, attribute, _Twin(getattr(self, attribute), remote, labels))
 
@@ -136,15 +136,19 @@ class ReplicaMetrics(Metrics):
 def build_engine(o: ReplicaOptions, metrics: Metrics | None = None) -> EngineClient:
     """A replica's engine client, its requests checked on the model without its weights: every check a replica
     makes of its options, which the driver also runs before Ray starts. `start` launches its engine process."""
-    # torch threads: the CPUs Ray reserved for this replica (what Ray also puts in OMP_NUM_THREADS)
-    spec = EngineSpec(model=o.model, device=o.device, dtype=o.dtype, threads=o.threads, quantize=o.quantize,
+    spec = EngineSpec(model=o.model, device=o.device, dtype=o.dtype, threads=1, quantize=o.quantize,
                       quantize_head=o.quantize_head, max_batch=o.max_batch, compile=o.compile,
                       prefix_cache_mb=o.prefix_cache_mb)
     model, tok = spec.load(weights=False)
+    # torch threads: the CPUs Ray reserved for this replica (what Ray also puts in OMP_NUM_THREADS), but one for a
+    # small model, whose forwards are too small to split: more threads wait on each other (issue #39; tiny-llada
+    # on 2 threads: 12x the CPU seconds of one thread for the same answers on a busy 2-core machine)
+    spec.threads = min(max(1, int(o.num_cpus)), default_threads(model.config.num_parameters())[0])
     defaults = served_defaults(model, o.model_dump(include={
         "sampler", "sampler_args", "cache", "cache_args", "gen_length", "block_length", "steps", "seed",
         "cfg_scale", "logits_eos_inf", "confidence_eos_eot_inf"}))
-    engine = EngineClient(RequestReader(model, tok, o.name or o.model, defaults, o.compile), spec, metrics=metrics)
+    engine = EngineClient(RequestReader(model, tok, o.name or o.model, defaults, o.compile), spec, metrics=metrics,
+                          max_waiting=o.max_waiting)
     engine.check_defaults()
     return engine
 
@@ -204,7 +208,7 @@ def _replica_error(serve) -> str:
     status (our DllmError's message where the replica raised one)."""
     status = serve.status().applications.get(APP_NAME)
     lines = [line for d in (status.deployments.values() if status else ()) for line in d.message.splitlines()]
-    last = lines[-1] if lines else "no reason given; see the replica logs under /tmp/ray/session_latest/logs"
+    last = lines[-1] if lines else "no reason given; see the replicas' logs under Ray's session_latest/logs"
     return last.removeprefix(f"{DllmError.__module__}.{DllmError.__name__}: ")
 
 
@@ -230,15 +234,34 @@ CONNECT_SECONDS = 5  # a cluster address that accepts no TCP connection in this 
 HANDSHAKE_SECONDS = 30  # Ray retries a cluster that does not answer forever; a live one answers in a few seconds
 
 
+def local_ray_dir() -> str:
+    """The folder of our own Ray instances: `dllm-ray-UID` in the temp folder, private to the user (0700). Ray makes
+    its own folders (the sessions, their logs and the raylet's and object store's sockets) open to every local user
+    (0777, no sticky bit: another user could replace a socket), so they go inside it, in `ray/`. A folder of that
+    name that is not the user's own and private is refused (DllmError): someone else made it."""
+    folder = os.path.join(tempfile.gettempdir(), f"dllm-ray-{os.getuid()}")
+    try:
+        os.mkdir(folder, 0o700)
+    except FileExistsError:
+        pass
+    found = os.lstat(folder)
+    if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid() or found.st_mode & 0o077:
+        raise DllmError(f"{folder} is not a folder private to this user (owner {found.st_uid}, mode "
+                        f"{stat.S_IMODE(found.st_mode):o}); remove it, or set TMPDIR to a folder of your own")
+    return folder
+
+
 def _start_local_ray(cpus: int) -> None:
     """A Ray instance of our own, on loopback only: its GCS, raylet, agents, workers, Serve's controller and proxy
     and the replicas listen on 127.0.0.1, never on the network (Ray's cluster ports run whatever work reaches them;
     a one-machine instance needs none of them reachable). Ray binds to its node address, which on Linux it takes from
-    the network unless told that this is not a cluster (its own setting for macOS and Windows, read at import)."""
+    the network unless told that this is not a cluster (its own setting for macOS and Windows, read at import). Its
+    folders are under `local_ray_dir()` (RAY_TMPDIR for every process it starts), not the shared /tmp/ray."""
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ["RAY_TMPDIR"] = local_ray_dir()
     ray, _ = _ray()
     ray.init(address="local", num_cpus=cpus, _node_ip_address="127.0.0.1", include_dashboard=False,
-             log_to_driver=False, logging_level="warning")
+             log_to_driver=False, logging_level="warning", _temp_dir=os.path.join(os.environ["RAY_TMPDIR"], "ray"))
     node = ray.util.get_node_ip_address()
     if not ipaddress.ip_address(node).is_loopback:  # Ray was imported before the setting (a Python caller)
         ray.shutdown()

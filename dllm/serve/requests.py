@@ -91,6 +91,7 @@ class Job:
     stop_early: bool = True
     logprobs: int | None = None  # alternatives per answer token with its log-probability (None: none asked)
     logprobs_sent: int = 0  # answer tokens whose log-probabilities were sent
+    request_id: str = ""  # the client's X-Request-ID, or the server's
     guidance: Guidance = Guidance()
     step_events: bool = False  # stream an event after every decoding step (`step`)
     events: asyncio.Queue | None = None  # what the HTTP handler reads: {"kind": "delta", "text", "logprobs"},
@@ -109,7 +110,7 @@ class Job:
         """What the engine process decodes."""
         return Add(self.id, self.ids, self.lengths["gen_length"], self.lengths["block_length"], self.steps_per_block,
                    self.sampler.config(), self.cache.config(), self.guidance.config(), self.seed, self.max_tokens,
-                   self.stop_early, self.logprobs, self.step_events)
+                   self.stop_early, self.logprobs, self.step_events, self.request_id)
 
     def step(self, tokenizer, event: StepEvent) -> dict:
         """A step event for the stream: its step, block and forwards, and its positions with their tokens' ids and
@@ -236,7 +237,7 @@ class RequestReader:
         stream, ignore_eos = bool(body.get("stream")), bool(body.get("ignore_eos"))
         if body.get("step_events") and not stream:
             raise DllmError("step_events streams an event per decoding step; send stream: true with it")
-        stop = body.get("stop") or []
+        stop = body.get("stop", [])
         stop = [stop] if isinstance(stop, str) else stop
         if not all(stop):
             raise DllmError(f"stop must be a string or a list of non-empty strings, got {body.get('stop')!r}")

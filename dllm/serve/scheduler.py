@@ -3,6 +3,7 @@ batches of different kinds take blocks in turn, and after each block every reque
 `messages.Delta`. It runs in the engine process (`engine_process`) and speaks only in messages."""
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -81,11 +82,14 @@ def _changes(task: Task, tokens: list[int], blank: list[bool], uniform: bool) ->
     return (committed, remasked, drafts) if committed or remasked or drafts else None
 
 
-def _error(req_id: str, error: Exception) -> Delta:
-    """The delta of a request that `error` ended: 400 with the one-line reason, or 500."""
+def _error(add: Add, error: Exception) -> Delta:
+    """The delta of a request that `error` ended: 400 with the one-line reason, or 500 (in the engine's log too,
+    under the request's X-Request-ID)."""
     if isinstance(error, DllmError):
-        return Delta(req_id, status=400, message=str(error))
-    return Delta(req_id, status=500, message=f"{type(error).__name__}: {error}")
+        return Delta(add.req_id, status=400, message=str(error))
+    message = f"{type(error).__name__}: {error}"
+    print(f"dllm engine: request {add.request_id or add.req_id} failed: {message}", file=sys.stderr, flush=True)
+    return Delta(add.req_id, status=500, message=message)
 
 
 class Engine:
@@ -109,6 +113,7 @@ class Engine:
         self.poll: Callable[[], None] = lambda: None  # called after every step
         self.closing = False  # shutting down: new requests are refused
         self.forwards = self.committed = self.rows_computed = self.steps = 0
+        self.rows_per_step = [0] * (max_batch + 1)  # steps run, by the rows of their batch
         self.busy_seconds, self.started = 0.0, time.perf_counter()
         self.held_seconds, self._held_since = 0.0, None  # wall time holding a request; since when it holds one
         self._window, self._rates = (self.started, 0.0, 0), (0.0, 0.0)  # (since, busy, steps), (busy, steps/s)
@@ -127,7 +132,7 @@ class Engine:
         try:
             task = self._task(add)
         except Exception as error:  # checked in the HTTP process already; a mismatch of the two is answered
-            self.outputs.append(_error(add.req_id, error))
+            self.outputs.append(_error(add, error))
             return
         if not self.tasks:
             self._held_since = time.perf_counter()
@@ -188,7 +193,7 @@ class Engine:
             self.groups.append(group)  # its next block after every other batch's
 
     def _fail(self, task: Task, error: Exception) -> None:
-        self.outputs.append(_error(task.add.req_id, error))
+        self.outputs.append(_error(task.add, error))
         self._finish(task)
 
     def _finish(self, task: Task) -> None:
@@ -251,6 +256,7 @@ class Engine:
         block's end)."""
         self.steps += 1
         self._step_events(group)
+        self.rows_per_step[len(group.batch.rows)] += 1
         self.poll()
         for row, task in group.tasks.items():
             if task.cancelled and not task.delivered:
@@ -325,4 +331,5 @@ class Engine:
                      batches=len(self.groups), forwards=self.forwards, committed=self.committed,
                      rows_computed=self.rows_computed, steps=self.steps, busy_seconds=self.busy_seconds,
                      held_seconds=held, seconds=now - self.started, busy=self._rates[0], steps_per_s=self._rates[1],
+                     rows_per_step=list(self.rows_per_step),
                      prefix=None if p is None else PrefixStats(p.queried, p.hits, p.evicted, p.nbytes, len(p.blocks)))
