@@ -183,6 +183,15 @@ def tighten(body: dict, reader, chat: bool, components: dict) -> None:
     described = {k: body[k] for k in ("title", "description") if k in body}
     body.clear()
     body.update(described, oneOf=branches)
+    body["allOf"] = [  # step events ride the stream; cache_args holds the chosen cache's parameters only
+        {"if": {"properties": {"step_events": {"const": True}}, "required": ["step_events"]},
+         "then": {"properties": {"stream": {"const": True}}, "required": ["stream"]}},
+        *({"if": {"properties": {"cache": {"const": name}}, "required": ["cache"]} if name != d["cache"] else
+           {"if": {"properties": {"cache": {"enum": [name, None]}}}},
+          "then": {"properties": {"cache_args": _nullable({"type": "object", "additionalProperties": False,
+                                                            "properties": {p: param_schema(cls, p)
+                                                                           for p in cls.param_names()}})}}}
+          for name, cls in CACHES.classes.items())]
     if chat:
         body["dependentSchemas"] = {"top_logprobs": {"properties": {"logprobs": {"const": True}},
                                                      "required": ["logprobs"]}}
