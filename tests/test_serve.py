@@ -21,6 +21,7 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 
 import dllm  # noqa: E402
+from dllm.core.errors import DllmError  # noqa: E402
 from dllm.eval.synthetic import make_split  # noqa: E402
 from dllm.serve import Engine, EngineClient, EngineSpec, LocalServer, load, post  # noqa: E402
 from dllm.serve.requests import RequestReader  # noqa: E402
@@ -664,3 +665,16 @@ def test_bench_serve_with_mixed_settings_compares_every_answer(capsys):
                                                                                          (3, 0, 0)]
     served = result["rows"][1]  # the engine's share of the time in its decode loop, of the wall and of its work
     assert 0 < served["busy"] <= 1.05 and 0 < served["busy_while_held"] <= 1.05
+
+
+@pytest.mark.parametrize("where", ["top", "sampler_args"])
+def test_a_request_cannot_name_a_file_on_the_server(tiny, where):
+    """pc_sampler's frequency_file is a path the sampler opens: a request that sets it is refused in one line (its
+    error would otherwise tell a client whether a file exists on the server), and the schema does not offer it."""
+    model, tok = tiny
+    reader = RequestReader(model, tok, "tiny-llada", DEFAULTS)
+    setting = {"frequency_file": "/etc/passwd"}
+    body = chat("copy: abcd", sampler="pc_sampler", **(setting if where == "top" else {"sampler_args": setting}))
+    with pytest.raises(DllmError, match="^frequency_file names a file on the server, which a request cannot choose; "
+                                        "start dllm serve with --sampler-arg frequency_file=PATH instead$"):
+        reader.job(body, chat=True)

@@ -17,7 +17,7 @@ from ..core.params import FLOAT_LARGEST, FLOAT_SMALLEST, INT_LARGEST, _options, 
 from ..engine.checks import check_policies
 from ..engine.options import decoding_lengths
 from ..samplers import SAMPLERS
-from .requests import NEUTRAL, UNSUPPORTED
+from .requests import NEUTRAL, SERVER_ONLY, UNSUPPORTED
 
 JSON_TYPES = {float: "number", int: "integer", bool: "boolean", str: "string"}
 
@@ -170,7 +170,7 @@ def tighten(body: dict, reader, chat: bool, components: dict) -> None:
     branches = []
     for name, caches in offered.items():
         cls = SAMPLERS.get(name)
-        own = {p: param_schema(cls, p) for p in cls.param_names()}
+        own = {p: param_schema(cls, p) for p in cls.param_names() if p not in SERVER_ONLY}
         branch = {**props, **{p: own[p] for p in own if p in by_name or p in NEUTRAL}}
         branch.update({p: _nullable({"enum": [neutral]}) for p, neutral in NEUTRAL.items() if p not in own})
         branch["sampler"] = {"enum": [name, None]} if name == d["sampler"] else {"const": name}

@@ -39,6 +39,7 @@ UNSUPPORTED = {  # OpenAI fields this server does not implement, with the values
     "modalities": [["text"]], "audio": [], "prediction": [], "reasoning_effort": [], "web_search_options": []}
 
 ROLES = ("system", "user", "assistant")
+SERVER_ONLY = {"frequency_file"}  # sampler parameters that name a file on the server: set by `dllm serve`'s flags only
 
 LAYOUT_FIELDS = ("gen_length", "block_length", "steps")
 
@@ -247,6 +248,10 @@ class RequestReader:
                   and k not in LAYOUT_FIELDS and k not in GUIDANCE_FIELDS
                   and k not in ("sampler", "cache", "sampler_args", "cache_args", "step_events")}
         params.update({k: body[k] for k in ("temperature", *NEUTRAL) if body.get(k) is not None and k in takes})
+        server_only = sorted(SERVER_ONLY & (set(params) | set(body.get("sampler_args") or {})))
+        if server_only:
+            raise DllmError(f"{server_only[0]} names a file on the server, which a request cannot choose; start dllm "
+                            f"serve with --sampler-arg {server_only[0]}=PATH instead")
         d = self.defaults
         same_sampler = body.get("sampler", d["sampler"]) == d["sampler"]
         same_cache = body.get("cache", d["cache"]) == d["cache"]
