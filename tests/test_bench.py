@@ -117,6 +117,7 @@ def test_the_gpu_script_writes_its_whole_table_on_the_tiny_presets(tmp_path):
     script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_bench.sh"
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "MODEL": "random:llada-tiny", "SDAR_MODEL": "random:sdar-tiny", "LLADA2_MODEL": "random:llada2-tiny",
+           "WEDLM_MODEL": "random:wedlm-tiny",
            "DEVICE": "cpu", "DTYPE": "float32", "GEN": "32", "MODES": "eager", "QUANT": "int8", "OUT": str(tmp_path),
            "SERVE_MODEL": ""}  # (the serving row is `dllm bench-serve`, tests/test_serve.py)
     out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, check=True).stdout
@@ -127,7 +128,8 @@ def test_the_gpu_script_writes_its_whole_table_on_the_tiny_presets(tmp_path):
         ("llada", "float32", "dual", "eager", "1"), ("llada", "float32", "dual", "eager", "8"),
         ("llada", "float32", "none", "eager", "1"), ("llada", "float32", "none", "eager", "8"),
         ("llada2", "float32", "block", "eager", "1"), ("llada2", "float32", "block", "eager", "8"),
-        ("sdar", "float32", "block", "eager", "1"), ("sdar", "float32", "block", "eager", "8")]
+        ("sdar", "float32", "block", "eager", "1"), ("sdar", "float32", "block", "eager", "8"),
+        ("wedlm", "float32", "frontier", "eager", "1"), ("wedlm", "float32", "frontier", "eager", "8")]
     weight = header.index("weight MB")
     assert float(rows[0][weight]) < float(rows[2][weight]) / 2  # int8 layers
     for row in rows:
@@ -147,7 +149,8 @@ def test_the_gpu_scripts_floors_read_the_bytes_stored(tmp_path):
             "ms_per_forward": {"full": 9.0, "cached": 2.0}, "device": "NVIDIA H100 80GB HBM3", "ms_per_step": 2.5,
             "tokens_per_second": 100.0, "weight_mb": 3.35e9 / 2**20, "peak_mb": 4000.0, "warm_up_seconds": 1.0}
     (tmp_path / "x.jsonl").write_text(json.dumps(line) + "\n")
-    env = {**os.environ, "MODEL": "", "SDAR_MODEL": "", "LLADA2_MODEL": "", "SERVE_MODEL": "", "OUT": str(tmp_path)}
+    env = {**os.environ, "MODEL": "", "SDAR_MODEL": "", "LLADA2_MODEL": "", "WEDLM_MODEL": "", "SERVE_MODEL": "",
+           "OUT": str(tmp_path)}
     out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, check=True).stdout
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.splitlines() if line.startswith("| ")]
     row = dict(zip(rows[0], rows[1]))

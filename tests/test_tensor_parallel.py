@@ -214,7 +214,8 @@ def test_every_cache_plans_the_same_rows_on_every_rank(cache, preset):
     over the ranks' heads first: tensor parallel 2 recomputes the rows one process does (the same forwards)."""
     args = {"refresh_every": 2} if cache in ("dual", "prefix") else {}
     whole, split = models({"llada-tiny": "sdar-tiny", "dream-tiny": "fast-dllm-v2-tiny"}[preset] if cache == "block"
-                          else preset)  # a block cache on block-causal models
+                          else "wedlm-tiny" if cache == "frontier" else preset)  # block: block-causal models;
+    # frontier: causal ones
     sampler = samplers.SAMPLERS.create("random") if cache == "dkv_greedy" else \
         samplers.SAMPLERS.create("threshold", threshold=0.3)  # dKV-Cache-Greedy's commits are known before a step
     one, two = (decoded(m, sampler, caches.CACHES.create(cache, **args)) for m in (whole, split))

@@ -69,8 +69,8 @@ def test_bench_counts_each_steps_collectives_and_bytes_from_the_layer_plan(capsy
     (tmp_path / "tp").mkdir()
     (tmp_path / "tp" / "tiny.jsonl").write_text(json.dumps(two) + "\n")
     script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_bench.sh"
-    env = {**os.environ, "MODEL": "", "SDAR_MODEL": "", "LLADA2_MODEL": "", "SERVE_MODEL": "", "TP_MODELS": "",
-           "OUT": str(tmp_path)}
+    env = {**os.environ, "MODEL": "", "SDAR_MODEL": "", "LLADA2_MODEL": "", "WEDLM_MODEL": "", "SERVE_MODEL": "",
+           "TP_MODELS": "", "OUT": str(tmp_path)}
     out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, check=True).stdout
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.splitlines() if line.startswith("| ")]
     row = dict(zip(rows[0], rows[1]))
