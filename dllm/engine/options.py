@@ -280,6 +280,10 @@ def settle(model: DiffusionLM, sampler: str | Sampler | None = None, cache: str 
     sampler, cache = split_params(sampler, default_cache(model) if cache is None else cache, params, sampler_args,
                                   cache_args)
     lengths, length_sources = _lengths(model, gen_length, block_length, steps)
+    if sampler.slides:  # no schedule of steps: its window decides each step's fills
+        length_sources["steps"] = (("caller, " if steps is not None else "") + f"not used: sampler {sampler.name!r} "
+                                   f"fills masks of its window of W = {sampler.window_size} after each row's committed "
+                                   f"prefix, at least one a step, until the answer is done")
     guidance = Guidance(cfg_scale, logits_eos_inf, confidence_eos_eot_inf)
     for name, value in guidance.config().items():
         sources[name] = "caller" if value else "off by default, as in LLaDA's generate.py"
