@@ -140,10 +140,13 @@ class Stream:
                     yield new[len(text):]
                 text = new
         if self.generation is None:
-            self.generation = Generation([text], [ids], batch.canvas.tokens, batch.finish(), batch.sampler.config(),
+            canvas = batch.canvas
+            spans = list(zip(canvas.gen_start.tolist(), canvas.gen_end.tolist()))
+            self.generation = Generation([text], [ids], canvas.tokens, batch.finish(), batch.sampler.config(),
                                          batch.cache.config(), batch.trace,
                                          None if self.row.logprobs is None else [batch.logprobs(self.row)],
-                                         self.settings)
+                                         self.settings, [row[a:b] for row, (a, b) in zip(canvas.tokens.tolist(),
+                                                                                          spans)], spans)
 
 
 def stream(model: DiffusionLM, tokenizer, prompt, sampler: str | Sampler | None = None,
