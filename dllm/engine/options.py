@@ -296,13 +296,13 @@ def settle(model: DiffusionLM, sampler: str | Sampler | None = None, cache: str 
 
 @dataclass
 class LoopOptions:
-    """The loop's switches. `stop_early`: a row ends once its answer has (`Layout.finish`); `trace`: a record per
-    step (`Batch.trace`); `profile` times every forward into `stats.forward_seconds`; `callback` is called after
-    every step with `{"block", "step", "committed"}`; `compile` runs the model compiled (`compiled_run`; caches
-    none, prefix, dual); `guidance`: LLaDA's cfg_scale, logits_eos_inf, confidence_eos_eot_inf (`Guidance`);
-    `prefix_cache` (a `cache.PrefixBlocks`; block-causal and causal-prefix models, cache `block`) fills each
-    layout's store with the kept keys and values of the rows' finished blocks, and keeps the blocks each block
-    start makes final."""
+    """The loop's switches. `stop_early`: a row ends once its answer is complete (`Layout.finish`); `trace`: a
+    record per step (`Batch.trace`); `profile` times every forward into `stats.forward_seconds`; `callback` is
+    called after every step with `{"block", "step", "committed"}`; `compile` runs the model compiled
+    (`compiled_run`; caches none, prefix, dual); `guidance`: LLaDA's cfg_scale, logits_eos_inf,
+    confidence_eos_eot_inf (`Guidance`); `prefix_cache` (a `cache.PrefixBlocks`; block-causal and causal-prefix
+    models, cache `block`) fills the store of each canvas laid out (`Batch.lay_out`) with the kept keys and values
+    of the rows' finished blocks, and keeps the blocks each block start makes final."""
 
     stop_early: bool = True
     trace: bool = False
