@@ -134,6 +134,11 @@ def test_refusals(model, tokenizer):
         dllm.generate(llada, llada_tok, ["hi"], sampler="wedlm", gen_length=8, block_length=8)
     with pytest.raises(DllmError, match="does not follow; use cache frontier"):
         dllm.generate(model, tokenizer, ["hi"], sampler="wedlm", cache="block", gen_length=8, block_length=8)
+    with pytest.raises(DllmError, match=r"on a causal model \(wedlm\) use cache frontier \(exact\), block, none, "
+                                        r"prefix or dual$"):
+        dllm.generate(model, tokenizer, ["hi"], sampler="threshold", cache="dkv", gen_length=8, block_length=8)
+    with pytest.raises(DllmError, match=r"which a causal model \(wedlm\) predicts only from finished blocks"):
+        dllm.generate(model, tokenizer, ["hi"], sampler="prophet", gen_length=8, block_length=8)
     wedlm, low = (dllm.samplers.SAMPLERS.create(name) for name in ("wedlm", "low_confidence"))
     with pytest.raises(DllmError, match="give it layouts.SlidingWindow"):
         Batch(model, wedlm, dllm.cache.CACHES.create("none"), 8, 8, layout=Blocks())
