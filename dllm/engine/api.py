@@ -92,7 +92,7 @@ def generate(model: DiffusionLM, tokenizer, prompts, sampler: str | Sampler | No
     block_length default to the model directory's `generation_config.json`, else the family's (DiffusionGemma:
     256 tokens in canvases), else 64 and 32 (or the largest block below 32 that divides gen_length); steps to
     gen_length (one token per step for schedule-driven samplers; DiffusionGemma: max_denoising_steps per
-    canvas). `gen_length="auto"` lets each answer choose its length (DAEDAL, `samplers.Daedal`: from 64 masks up to
+    canvas; the sampler wedlm takes none, its window decides each step). `gen_length="auto"` lets each answer choose its length (DAEDAL, `samplers.Daedal`: from 64 masks up to
     `max_gen_length`, default 2048 or what the context leaves; a `Daedal` sets its other parameters), decoded with
     sampler threshold unless one is named (`Generation.canvas_ids` holds each answer's canvas). `callback` is called
     after every step (see `decode`). `compile` runs the model under `torch.compile` (caches none, prefix, dual,
