@@ -80,10 +80,11 @@ class WeDLM(Sampler):
                                ge=0.0)
 
     def check_model(self, config) -> str | None:
-        if super().check_model(config) is None and not getattr(config, "causal", False):
+        problem = super().check_model(config)
+        if problem is None and not getattr(config, "causal", False):
             return ("it decodes WeDLM's sliding window, whose committed tokens must never see later ones (a causal "
                     "model, a wedlm checkpoint); use low_confidence or threshold")
-        return super().check_model(config)
+        return problem
 
     def step(self, ctx: StepContext) -> Commit:
         positions = ctx.positions.expand_as(ctx.eligible)

@@ -109,6 +109,14 @@ def test_whole_answer_methods_refuse_rows_mid_run(sampler, cache):
         batch.remove(batch.rows[0])
 
 
+def test_a_row_of_part_of_a_block_is_refused_naming_a_length_that_fits():
+    batch = Batch(random_model("llada-tiny"), samplers.SAMPLERS.create("low_confidence"), caches.CACHES.create("none"),
+                  BLOCK, BLOCK)
+    with pytest.raises(DllmError, match=r"gen_length \(12\) must be a multiple of block_length \(8\); e.g. "
+                                        r"gen_length 16$"):
+        batch.add(PROMPTS[0], 12)
+
+
 @pytest.mark.parametrize("cache", ["none", "dual"])
 def test_a_row_with_nothing_left_to_decode_is_left_out_of_the_forward(cache):
     """A row that has finished, or has decoded its block while others have not, is not computed: the batch computes

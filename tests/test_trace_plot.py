@@ -33,6 +33,16 @@ def test_low_confidence_commits_one_position_per_step(tmp_path, tiny_llada):
         assert row.forwards == out.stats.nfe == 32
 
 
+def test_a_streamed_answer_traces_as_generate_does(tmp_path, tiny_llada):
+    """`stream`'s generation names its answer's span as `generate`'s does, so its trace reads back the same."""
+    model, tok = tiny_llada
+    s = dllm.stream(model, tok, PROMPTS[0], sampler="threshold", gen_length=32, block_length=16, trace=True)
+    "".join(s)
+    out = dllm.generate(model, tok, PROMPTS[:1], sampler="threshold", gen_length=32, block_length=16, trace=True)
+    assert s.generation.answer_spans == out.answer_spans and s.generation.canvas_ids == out.canvas_ids
+    assert trace_lines(s.generation, model.config.mask_id) == trace_lines(out, model.config.mask_id)
+
+
 def test_threshold_commits_several_per_step_and_the_title_counts(tmp_path, tiny_llada):
     out, rows = traced(tmp_path, *tiny_llada, "th", sampler="threshold", threshold=0.5, gen_length=32,
                        block_length=16, stop_early=False)

@@ -5,12 +5,14 @@ count either), on a random Qwen3-shaped WeDLM in float64 (float32 differences be
 forward can flip `< tau`); the exact frontier cache equal to recomputing everything with fewer rows computed; a
 batch of unequal prompts equal to each alone; and the refusals."""
 import dataclasses
+import json
 
 import pytest
 import torch
 from wedlm_reference import wedlm_reference
 
 import dllm
+from dllm.cli import main
 from dllm.core.errors import DllmError
 from dllm.engine.decoding import decoded
 from dllm.engine.layouts import Blocks, SlidingWindow
@@ -111,12 +113,32 @@ def test_the_wedlm_family_decodes_with_wedlm_and_the_frontier_cache(model, token
     assert got.token_ids == [[t for t in w if t not in model.config.stop_ids] for w in want]
 
 
+def test_explain_says_the_window_not_a_schedule_decides_the_steps(capsys):
+    """`dllm generate --explain` on a WeDLM: the sampler wedlm takes no steps (its window W decides each step's fills),
+    whether the caller gave some or not."""
+    assert main(["generate", "hi", "--model", "random:wedlm-tiny", "--explain"]) == 0
+    text = capsys.readouterr().out
+    assert "sampler = 'wedlm'" in text and "one token per step" not in text
+    assert ("(not used: sampler 'wedlm' fills masks of its window of W = 16 after each row's committed prefix, at "
+            "least one a step, until the answer is done)") in text
+    assert main(["generate", "hi", "--model", "random:wedlm-tiny", "--explain", "--json", "--steps", "8",
+                 "--sampler-arg", "window_size=4"]) == 0
+    steps = json.loads(capsys.readouterr().out)["settings"]["steps"]
+    assert steps["value"] == 8 and steps["from"].startswith("caller, not used: sampler 'wedlm' fills masks of its "
+                                                            "window of W = 4 after")
+
+
 def test_refusals(model, tokenizer):
     llada, llada_tok = dllm.load("random:llada-tiny")
     with pytest.raises(DllmError, match="sampler 'wedlm' cannot decode llada: .*causal.*use low_confidence"):
         dllm.generate(llada, llada_tok, ["hi"], sampler="wedlm", gen_length=8, block_length=8)
     with pytest.raises(DllmError, match="does not follow; use cache frontier"):
         dllm.generate(model, tokenizer, ["hi"], sampler="wedlm", cache="block", gen_length=8, block_length=8)
+    with pytest.raises(DllmError, match=r"on a causal model \(wedlm\) use cache frontier \(exact\), block, none, "
+                                        r"prefix or dual$"):
+        dllm.generate(model, tokenizer, ["hi"], sampler="threshold", cache="dkv", gen_length=8, block_length=8)
+    with pytest.raises(DllmError, match=r"which a causal model \(wedlm\) predicts only from finished blocks"):
+        dllm.generate(model, tokenizer, ["hi"], sampler="prophet", gen_length=8, block_length=8)
     wedlm, low = (dllm.samplers.SAMPLERS.create(name) for name in ("wedlm", "low_confidence"))
     with pytest.raises(DllmError, match="give it layouts.SlidingWindow"):
         Batch(model, wedlm, dllm.cache.CACHES.create("none"), 8, 8, layout=Blocks())

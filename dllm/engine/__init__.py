@@ -5,7 +5,8 @@ lengths (and `LoopOptions`, the loop's switches); `text` turns prompts into toke
 decode together; `loop` lays the rows out on a `canvas` where its `layouts` policy puts them and decodes them block
 by block, each step a `runner` forward of the rows the cache chose and the sampler's commits, counted in `stats`
 (`lockstep`: the same batch on every rank of a tensor-parallel model; `decoding` makes either); `api` (`generate`,
-`stream`) returns the answers' text. Beside it: `likelihood` (the ELBO of a continuation) and `bench` (`dllm bench`).
+`stream`) returns the answers' text, and its `likelihood` an answer's log-likelihood. Beside it: `likelihood` (the
+ELBO of a continuation, which that call estimates) and `bench` (`dllm bench`).
 """
 from .api import Generation, Stream, generate, stream
 from .decoding import decode

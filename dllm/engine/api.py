@@ -92,7 +92,7 @@ def generate(model: DiffusionLM, tokenizer, prompts, sampler: str | Sampler | No
     block_length default to the model directory's `generation_config.json`, else the family's (DiffusionGemma:
     256 tokens in canvases), else 64 and 32 (or the largest block below 32 that divides gen_length); steps to
     gen_length (one token per step for schedule-driven samplers; DiffusionGemma: max_denoising_steps per
-    canvas). `gen_length="auto"` lets each answer choose its length (DAEDAL, `samplers.Daedal`: from 64 masks up to
+    canvas; the sampler wedlm takes none, its window decides each step). `gen_length="auto"` lets each answer choose its length (DAEDAL, `samplers.Daedal`: from 64 masks up to
     `max_gen_length`, default 2048 or what the context leaves; a `Daedal` sets its other parameters), decoded with
     sampler threshold unless one is named (`Generation.canvas_ids` holds each answer's canvas). `callback` is called
     after every step (see `decode`). `compile` runs the model under `torch.compile` (caches none, prefix, dual,
@@ -140,10 +140,13 @@ class Stream:
                     yield new[len(text):]
                 text = new
         if self.generation is None:
-            self.generation = Generation([text], [ids], batch.canvas.tokens, batch.finish(), batch.sampler.config(),
+            canvas = batch.canvas
+            spans = list(zip(canvas.gen_start.tolist(), canvas.gen_end.tolist()))
+            self.generation = Generation([text], [ids], canvas.tokens, batch.finish(), batch.sampler.config(),
                                          batch.cache.config(), batch.trace,
                                          None if self.row.logprobs is None else [batch.logprobs(self.row)],
-                                         self.settings)
+                                         self.settings, [row[a:b] for row, (a, b) in zip(canvas.tokens.tolist(),
+                                                                                          spans)], spans)
 
 
 def stream(model: DiffusionLM, tokenizer, prompt, sampler: str | Sampler | None = None,

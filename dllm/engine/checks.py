@@ -61,6 +61,11 @@ def check_masked(model: DiffusionLM) -> None:
                         f"model such as tiny-llada")
 
 
+def attention_kind(cfg) -> str:
+    """How a model whose decoded keys are fixed (`ModelConfig.decoded_keys_fixed`) attends, in a refusal's words."""
+    return "block-causal" if cfg.block_size else "causal" if cfg.causal else "causal-prefix"
+
+
 def check_policies(model: DiffusionLM, sampler: Sampler, cache: Cache, compile: bool = False) -> None:
     """The sampler, the cache and the model can decode together (else the one-line reason)."""
     cfg = model.config
@@ -98,13 +103,14 @@ def check_policies(model: DiffusionLM, sampler: Sampler, cache: Cache, compile: 
     if sampler.edits and not cache.block_fresh:
         raise DllmError(f"sampler {sampler.name!r} rewrites decoded tokens, whose keys and values cache "
                         f"{cache.name!r} keeps; use cache none, prefix, dual or (block-causal models) block")
-    kind = "block-causal" if cfg.block_size else "causal-prefix"
+    kind = attention_kind(cfg)
     if cfg.decoded_keys_fixed and sampler.commits_past_block:
         raise DllmError(f"sampler {sampler.name!r} commits later blocks from one forward, which a {kind} model "
                         f"({cfg.arch}) predicts only from finished blocks; use another sampler")
     if cfg.decoded_keys_fixed and not cache.block_fresh:
+        exact = "frontier (exact), block" if cfg.causal else "block (exact)"
         raise DllmError(f"cache {cache.name!r} chooses rows for full attention; on a {kind} model "
-                        f"({cfg.arch}) use cache block (exact), none, prefix or dual")
+                        f"({cfg.arch}) use cache {exact}, none, prefix or dual")
     check_compile(cache, compile)
     if compile and cfg.moe is not None and model.dtype != torch.bfloat16:
         raise DllmError(f"MoE layers ({cfg.arch}) compile in bfloat16 only (torch's grouped matmul traces for no "
@@ -154,8 +160,8 @@ def check_auto_length(model: DiffusionLM, sampler: Sampler, cache: Cache, compil
     if cfg.mask_id is None:
         why = f"inserts masks, and {cfg.arch} is a uniform-state model (no mask token)"
     elif cfg.decoded_keys_fixed:
-        why = (f"inserts masks that move decoded tokens, and {cfg.arch} attends in fixed blocks of columns "
-               f"(block-causal or causal-prefix)")
+        why = (f"inserts masks that move decoded tokens, whose keys and values {cfg.arch} fixes once decoded "
+               f"({attention_kind(cfg)} attention)")
     elif not sampler.canvas_may_grow:
         known = ", ".join(cls.name for cls in samplers_mod.SAMPLERS if cls.canvas_may_grow)
         why = (f"inserts masks between the steps of sampler {sampler.name!r}, which keeps state per position or "

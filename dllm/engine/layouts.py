@@ -132,7 +132,8 @@ class Blocks(Layout):
         if isinstance(gen_length, Daedal):
             raise DllmError(MIXED)
         if gen_length % batch.block_length:
-            raise DllmError(f"gen_length ({gen_length}) must be a multiple of block_length ({batch.block_length})")
+            raise DllmError(f"gen_length ({gen_length}) must be a multiple of block_length ({batch.block_length}); "
+                            f"e.g. gen_length {-(-gen_length // batch.block_length) * batch.block_length}")
         return (*aligned(batch, prompt, gen_length, sampler), None)
 
 
@@ -232,6 +233,10 @@ class SlidingWindow(Layout):
     loop, over the columns of the open rows' windows, `[min f, max f + W)`; it ends at the first front, where rows
     may join (laid out anew, their fronts aligned, each running row's filled flags kept)."""
 
+    def __init__(self):
+        self.filled_before: tuple[list[Row], list[int], Canvas] | None = None  # the last canvas, its rows and
+        # their first columns: its unfilled flags carry over to a canvas laid out anew
+
     def place(self, batch, prompt: list[int], gen_length, sampler: Sampler) -> tuple[int, int, int | None]:
         if isinstance(gen_length, Daedal):
             raise DllmError(f"sampler {sampler.name!r} decodes max_tokens (gen_length) in a sliding window, not "
@@ -239,10 +244,6 @@ class SlidingWindow(Layout):
         slots = gen_length + int(sampler.window_size) - 1
         Canvas.check(batch.model, [prompt], slots)
         return len(prompt), slots, None
-
-    def __init__(self):
-        self.filled_before: tuple[list[Row], list[int], Canvas] | None = None  # the last canvas, its rows and
-        # their first columns: its unfilled flags carry over to a canvas laid out anew
 
     def window(self, batch) -> tuple[int, int]:
         canvas = batch.canvas

@@ -280,6 +280,10 @@ def settle(model: DiffusionLM, sampler: str | Sampler | None = None, cache: str 
     sampler, cache = split_params(sampler, default_cache(model) if cache is None else cache, params, sampler_args,
                                   cache_args)
     lengths, length_sources = _lengths(model, gen_length, block_length, steps)
+    if sampler.slides:  # no schedule of steps: its window decides each step's fills
+        length_sources["steps"] = (("caller, " if steps is not None else "") + f"not used: sampler {sampler.name!r} "
+                                   f"fills masks of its window of W = {sampler.window_size} after each row's committed "
+                                   f"prefix, at least one a step, until the answer is done")
     guidance = Guidance(cfg_scale, logits_eos_inf, confidence_eos_eot_inf)
     for name, value in guidance.config().items():
         sources[name] = "caller" if value else "off by default, as in LLaDA's generate.py"
@@ -292,13 +296,13 @@ def settle(model: DiffusionLM, sampler: str | Sampler | None = None, cache: str 
 
 @dataclass
 class LoopOptions:
-    """The loop's switches. `stop_early`: a row ends once its answer has (`Layout.finish`); `trace`: a record per
-    step (`Batch.trace`); `profile` times every forward into `stats.forward_seconds`; `callback` is called after
-    every step with `{"block", "step", "committed"}`; `compile` runs the model compiled (`compiled_run`; caches
-    none, prefix, dual); `guidance`: LLaDA's cfg_scale, logits_eos_inf, confidence_eos_eot_inf (`Guidance`);
-    `prefix_cache` (a `cache.PrefixBlocks`; block-causal and causal-prefix models, cache `block`) fills each
-    layout's store with the kept keys and values of the rows' finished blocks, and keeps the blocks each block
-    start makes final."""
+    """The loop's switches. `stop_early`: a row ends once its answer is complete (`Layout.finish`); `trace`: a
+    record per step (`Batch.trace`); `profile` times every forward into `stats.forward_seconds`; `callback` is
+    called after every step with `{"block", "step", "committed"}`; `compile` runs the model compiled
+    (`compiled_run`; caches none, prefix, dual); `guidance`: LLaDA's cfg_scale, logits_eos_inf,
+    confidence_eos_eot_inf (`Guidance`); `prefix_cache` (a `cache.PrefixBlocks`; block-causal and causal-prefix
+    models, cache `block`) fills the store of each canvas laid out (`Batch.lay_out`) with the kept keys and values
+    of the rows' finished blocks, and keeps the blocks each block start makes final."""
 
     stop_early: bool = True
     trace: bool = False

@@ -89,7 +89,6 @@ class Runner:
         if key_mask is not None and not self.cache.stores_kv:
             key_mask = key_mask[..., rows.index]
         query_positions = caches.gather_rows(positions, rows)
-        key_positions = positions if self.cache.stores_kv else query_positions
         first = lo if block is None else block[0]
         window = (positions[:, first], positions[:, hi - 1] + 1) if cfg.causal_prefix else None  # decoded now
         ranks = self._ranks(tokens, positions, every)

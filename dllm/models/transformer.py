@@ -11,7 +11,7 @@ values of every other row (`KVAccess`), and projects the head only on the rows w
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
