@@ -322,7 +322,15 @@ def test_openapi_is_the_contract(server):
         default = branches["sampler low_confidence"]
         assert default["additionalProperties"] is False and "sampler" not in default["required"]
         props = default["properties"]
-        assert props["max_tokens"]["anyOf"][0] == {"type": "integer", "minimum": 1, "maximum": 255}
+        longest = 256 - (5 if name == "ChatRequest" else 1)  # (the context less the shortest prompt)
+        assert props["max_tokens"]["anyOf"][0] == {"type": "integer", "minimum": 1, "maximum": longest}
+        assert props["block_length"]["anyOf"][0] == {"type": "integer", "enum": [1, 2, 4, 8, 16, 32, 64, 128]}
+        ties = {rule["if"]["properties"]["block_length"]["const"]: rule["then"] for rule in schemas[name]["allOf"]
+                if "block_length" in rule["if"].get("properties", {})}
+        assert ties[8] == {"properties": {"gen_length": {"anyOf": [{"type": "integer", "multipleOf": 8},
+                                                                   {"type": "null"}]}}}
+        assert [r["required"] for r in ties[128]["anyOf"]] == [["gen_length"], ["max_tokens"],
+                                                               ["max_completion_tokens"]]  # (64 is the default)
         assert props["n"]["anyOf"][0] == {"type": "integer", "enum": [1]}
         assert props["model"]["anyOf"][0] == {"type": "string", "enum": ["tiny-llada"]}
         assert props["top_p"]["anyOf"][0] == {"enum": [1]}  # (low_confidence takes no top_p)
@@ -343,6 +351,12 @@ def test_openapi_is_the_contract(server):
         assert answers["429"]["content"]["application/json"]["schema"]["required"] == ["error"]
     message = schemas["ChatMessage"]["properties"]
     assert message["role"]["enum"] == ["system", "user", "assistant"]
+    chat = schemas["ChatRequest"]["oneOf"][0]["properties"]  # 4 messages of 4 parts fit the room for a prompt
+    assert chat["messages"]["maxItems"] == 4 and message["content"]["anyOf"][1]["maxItems"] == 4
+    longest, part = message["content"]["anyOf"][0]["maxLength"], schemas["ContentPart"]["properties"]["text"]
+    for content in ("a" * longest, [{"type": "text", "text": "a" * part["maxLength"]}] * 4):  # the most it allows
+        longest_chat = [{"role": role, "content": content} for role in ("system", "user", "assistant", "user")]
+        assert post(server.url + "/v1/chat/completions", {"messages": longest_chat, "max_tokens": 4})[0] == 200
     assert schemas["CompletionRequest"]["oneOf"][0]["properties"]["prompt"]["anyOf"][0]["pattern"].startswith("^[")
     (kind,) = spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     with urllib.request.urlopen(server.url + "/metrics") as r:

@@ -122,6 +122,66 @@ def prompt_room(reader) -> int:
     return max(1, reader.model.config.max_length - answer)
 
 
+def shortest_prompt(reader, chat: bool) -> int:
+    """The tokens of a one-character prompt (its chat template's, on the chat endpoint)."""
+    body = {"messages": [{"role": "user", "content": "x"}]} if chat else {"prompt": "x"}
+    try:
+        return len(reader._prompt_ids(body, chat))
+    except DllmError:  # (a tokenizer without "x" or a chat template: the schema still bounds the answer)
+        return 1
+
+
+MESSAGES, PARTS = 4, 4  # the most messages, and text parts of one message, a schema with bounded text lets through
+
+
+def chat_text_room(reader, room: int) -> tuple[int, int]:
+    """The characters one message's content may hold, and one of its text parts, so that MESSAGES messages of
+    PARTS parts each, in the chat template, fit `room` tokens (for a tokenizer whose tokens are characters)."""
+    def tokens(roles):
+        return len(reader._prompt_ids({"messages": [{"role": r, "content": "x"} for r in roles]}, chat=True))
+
+    roles = ("system", "user", "assistant")
+    first = max(tokens([r]) for r in roles) - 1
+    more = max(tokens([a, b]) - tokens([a]) - 1 for a in roles for b in roles)
+    content = max(1, (room - first - (MESSAGES - 1) * more) // MESSAGES)
+    return content, max(1, (content - (PARTS - 1)) // PARTS)  # (parts join with newlines)
+
+
+def length_rules(reader, longest: int) -> tuple[list[int], list[dict]]:
+    """The block lengths a request may send (powers of two whose answers are their multiples, checked on the
+    model) and the rules that tie gen_length to them, as JSON Schema if/then: gen_length a multiple of
+    block_length, and a block that does not divide the server's default answer needs gen_length or max_tokens
+    beside it. What stays with the server: steps a multiple of the blocks."""
+    d = reader.defaults
+
+    def valid(gen, block):
+        try:
+            decoding_lengths(reader.model, gen, block, None)
+            return True
+        except DllmError:
+            return False
+
+    default_gen = decoding_lengths(reader.model, d["gen_length"], d["block_length"], d["steps"])["gen_length"]
+    blocks, rules = [], []
+    for block in (2 ** i for i in range(longest.bit_length())):
+        multiples = [g for g in (block, 2 * block, 3 * block, longest // block * block) if g <= longest]
+        if not all(valid(g, block) for g in multiples) or (block > 1 and valid(block + 1, block)):
+            continue
+        blocks.append(block)
+        multiple = {"anyOf": [{"type": "integer", "multipleOf": block}, {"type": "null"}]}
+        then: dict = {"properties": {"gen_length": multiple}}
+        if default_gen % block:
+            then["anyOf"] = [{"required": [name], "properties": {name: {"type": "integer"}}}
+                             for name in ("gen_length", "max_tokens", "max_completion_tokens")]
+        rules.append({"if": {"properties": {"block_length": {"const": block}}, "required": ["block_length"]},
+                      "then": then})
+    if not all(valid(g, d["block_length"]) for g in (1, 3, 7, longest)):  # gen_length alone: the default block's
+        block = decoding_lengths(reader.model, d["gen_length"], d["block_length"], d["steps"])["block_length"]
+        rules.append({"if": {"not": {"required": ["block_length"]}}, "then": {"properties": {"gen_length": {
+            "anyOf": [{"type": "integer", "multipleOf": block}, {"type": "null"}]}}}})
+    return blocks, rules
+
+
 def _nullable(schema: dict) -> dict:
     return {"anyOf": [schema, {"type": "null"}]}
 
@@ -134,7 +194,9 @@ def tighten(body: dict, reader, chat: bool, components: dict) -> None:
     room = prompt_room(reader)
     offered = served(model, d["cache"], reader.compile)
     props = body["properties"]
-    count = {"type": "integer", "minimum": 1, "maximum": context - 1}
+    longest = context - shortest_prompt(reader, chat)
+    blocks, length_ties = length_rules(reader, longest)
+    count = {"type": "integer", "minimum": 1, "maximum": longest}
     exact = {
         "model": {"type": "string", "enum": [reader.name]},
         "max_tokens": count, "max_completion_tokens": count,
@@ -145,7 +207,7 @@ def tighten(body: dict, reader, chat: bool, components: dict) -> None:
         "n": {"type": "integer", "enum": [1]},
         "sampler": {"type": "string", "enum": sorted(offered)},
         "cache": {"type": "string", "enum": sorted(CACHES.classes)},
-        "gen_length": count, "block_length": count, "steps": count,
+        "gen_length": count, "block_length": {"type": "integer", "enum": blocks}, "steps": count,
         "cfg_scale": {"type": "number", "minimum": 0},
         **{name: {"enum": [neutral]} for name, neutral in NEUTRAL.items()},
         **{name: {"enum": unused} for name, unused in UNSUPPORTED.items()},
@@ -153,6 +215,8 @@ def tighten(body: dict, reader, chat: bool, components: dict) -> None:
     text = _text(reader.tokenizer, room)
     if chat:
         exact["top_logprobs"] = {"type": "integer", "minimum": 0, "maximum": 20}
+        if "maxLength" in text:  # (text the schema bounds: as many messages as chat_text_room counts on)
+            exact["messages"] = {**props["messages"], "maxItems": MESSAGES}
     else:
         exact["logprobs"] = {"type": "integer", "minimum": 0, "maximum": 20}
         exact["prompt"] = {"anyOf": [text, {"type": "array", "items": text, "minItems": 1, "maxItems": 1}, {
@@ -191,7 +255,7 @@ def tighten(body: dict, reader, chat: bool, components: dict) -> None:
           "then": {"properties": {"cache_args": _nullable({"type": "object", "additionalProperties": False,
                                                             "properties": {p: param_schema(cls, p)
                                                                            for p in cls.param_names()}})}}}
-          for name, cls in CACHES.classes.items())]
+          for name, cls in CACHES.classes.items()), *length_ties]
     if chat:
         body["dependentSchemas"] = {"top_logprobs": {"properties": {"logprobs": {"const": True}},
                                                      "required": ["logprobs"]}}
@@ -240,13 +304,20 @@ def declare(schema: dict, reader) -> dict:
                     "content": {"application/json": {"schema": _answer(chat)},
                                 "text/event-stream": {"schema": _event(chat)}}},
             **_errors("400", "413", "429", "500", "503")}
-    text = _text(reader.tokenizer, prompt_room(reader))
+    room = prompt_room(reader)
+    text = _text(reader.tokenizer, room)
+    if "maxLength" in text:
+        content_room, part_room = chat_text_room(reader, room)
+        text, part_text, parts = {**text, "maxLength": content_room}, {**text, "maxLength": part_room}, PARTS
+    else:
+        part_text, parts = text, None
     message = components["ChatMessage"]["properties"]
     message["role"] = {"type": "string", "enum": ["system", "user", "assistant"], "description": "who says it"}
     message["content"] = {"anyOf": [text, {"type": "array", "minItems": 1, "items": {
-        "$ref": "#/components/schemas/ContentPart"}}], "description": message["content"].get("description", "")}
+        "$ref": "#/components/schemas/ContentPart"}, **({"maxItems": parts} if parts else {})}],
+        "description": message["content"].get("description", "")}
     part = components["ContentPart"]
-    part["properties"] = {"type": {"type": "string", "enum": ["text"]}, "text": text}
+    part["properties"] = {"type": {"type": "string", "enum": ["text"]}, "text": part_text}
     part["required"] = ["type", "text"]
     status = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
     for path, doc in (("/health", "the process and its engine process run (also while draining)"),
