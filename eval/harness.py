@@ -76,10 +76,11 @@ def evaluate(model, tokenizer, task: str, sampler: str | Any = None, cache: str 
                               "batch_size": batch_size, "gold": gold}
     guidance = None
     if spec.gen_length is not None and (gen_length is None or isinstance(gen_length, int)) and length_args is None:
-        # the task's lengths unless the caller sets them
+        # the task's lengths unless the caller sets them (a sampler with a window has no blocks and no steps)
         gen_length = spec.gen_length if gen_length is None else gen_length
-        block_length = gen_length if block_length is None else block_length
-        steps = gen_length if steps is None else steps
+        if not gold and not settle(model, sampler, cache, {}, sampler_args, cache_args, gen_length).sampler.slides:
+            block_length = gen_length if block_length is None else block_length
+            steps = gen_length if steps is None else steps
     if not gold:
         settings = settle(model, sampler, cache, {}, sampler_args, cache_args, gen_length, block_length, steps,
                           cfg_scale, logits_eos_inf, confidence_eos_eot_inf, length_args)

@@ -320,3 +320,15 @@ def test_diffusion_gemma_quantizes_its_layers_and_loads_back_as_it_decodes(tmp_p
     assert loaded.quantization == {"scheme": "int8", "head": False}
     assert dllm.generate(loaded, loaded_tok, ["abc"], gen_length=32).token_ids == \
         dllm.generate(model, tok, ["abc"], gen_length=32).token_ids
+
+
+def test_a_causal_model_decodes_quantized_in_its_window_with_the_exact_frontier_cache():
+    """WeDLM quantized: its layers are int8, and the frontier cache (keys and values kept as a causal forward leaves
+    them) gives the tokens of recomputing every step, as in full precision."""
+    model, tok = dllm.load("random:wedlm-tiny", quantize="int8")
+    assert {n for n in _quantized_names(model) if n.startswith("layers.0.")} == {
+        f"layers.0.{name}.weight" for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}  # (not q/k norms)
+    frontier = dllm.generate(model, tok, PROMPTS, gen_length=24, window_size=4, chat=False)
+    assert (frontier.sampler["name"], frontier.cache["name"]) == ("wedlm", "frontier")
+    none = dllm.generate(model, tok, PROMPTS, cache="none", gen_length=24, window_size=4, chat=False)
+    assert frontier.token_ids == none.token_ids and frontier.stats.nfe == none.stats.nfe

@@ -106,7 +106,7 @@ def test_a_batch_of_unequal_prompts_equals_each_alone(model):
 
 
 def test_the_wedlm_family_decodes_with_wedlm_and_the_frontier_cache(model, tokenizer):
-    got = dllm.generate(model, tokenizer, PROMPTS, gen_length=8, block_length=8)
+    got = dllm.generate(model, tokenizer, PROMPTS, gen_length=8)
     assert (got.sampler["name"], got.cache["name"]) == ("wedlm", "frontier")
     assert got.sampler["window_size"] == 16 and got.sampler["entropy_threshold"] == 0.4
     want = [wedlm_reference(model, p, 16, 0.4, 0.02, 8, model.config.stop_ids).tokens for p in PROMPTS]
@@ -114,26 +114,28 @@ def test_the_wedlm_family_decodes_with_wedlm_and_the_frontier_cache(model, token
 
 
 def test_explain_says_the_window_not_a_schedule_decides_the_steps(capsys):
-    """`dllm generate --explain` on a WeDLM: the sampler wedlm takes no steps (its window W decides each step's fills),
-    whether the caller gave some or not."""
-    assert main(["generate", "hi", "--model", "random:wedlm-tiny", "--explain"]) == 0
+    """`dllm generate --explain` on a WeDLM: the sampler wedlm has no blocks and no steps (its window W decides each
+    step's fills); a caller's --steps or --block-length is refused in one line, not checked against blocks."""
+    assert main(["generate", "hi", "--model", "random:wedlm-tiny", "--gen-length", "50", "--explain"]) == 0
     text = capsys.readouterr().out
-    assert "sampler = 'wedlm'" in text and "one token per step" not in text
+    assert "sampler = 'wedlm'" in text and "one token per step" not in text and "block_length = 50" in text
     assert ("(not used: sampler 'wedlm' fills masks of its window of W = 16 after each row's committed prefix, at "
             "least one a step, until the answer is done)") in text
-    assert main(["generate", "hi", "--model", "random:wedlm-tiny", "--explain", "--json", "--steps", "8",
-                 "--sampler-arg", "window_size=4"]) == 0
-    steps = json.loads(capsys.readouterr().out)["settings"]["steps"]
-    assert steps["value"] == 8 and steps["from"].startswith("caller, not used: sampler 'wedlm' fills masks of its "
-                                                            "window of W = 4 after")
+    for flag, value in (("--steps", "7"), ("--block-length", "32")):
+        assert main(["generate", "hi", "--model", "random:wedlm-tiny", flag, value, "--sampler-arg",
+                     "window_size=4"]) == 2
+        assert capsys.readouterr().err == (
+            f"error: {flag[2:].replace('-', '_')} does not apply to sampler 'wedlm', which has no blocks and no "
+            f"schedule of steps: each step fills masks of its window of W = 4 slots; drop {flag[2:].replace('-', '_')}"
+            f" (the window's size is the sampler parameter window_size)\n")
 
 
 def test_refusals(model, tokenizer):
     llada, llada_tok = dllm.load("random:llada-tiny")
     with pytest.raises(DllmError, match="sampler 'wedlm' cannot decode llada: .*causal.*use low_confidence"):
-        dllm.generate(llada, llada_tok, ["hi"], sampler="wedlm", gen_length=8, block_length=8)
+        dllm.generate(llada, llada_tok, ["hi"], sampler="wedlm", gen_length=8)
     with pytest.raises(DllmError, match="does not follow; use cache frontier"):
-        dllm.generate(model, tokenizer, ["hi"], sampler="wedlm", cache="block", gen_length=8, block_length=8)
+        dllm.generate(model, tokenizer, ["hi"], sampler="wedlm", cache="block", gen_length=8)
     with pytest.raises(DllmError, match=r"on a causal model \(wedlm\) use cache frontier \(exact\), block, none, "
                                         r"prefix or dual$"):
         dllm.generate(model, tokenizer, ["hi"], sampler="threshold", cache="dkv", gen_length=8, block_length=8)
@@ -172,10 +174,10 @@ def test_a_row_joins_at_any_step(model):
 
 
 def test_stream_gives_each_steps_committed_text(model, tokenizer):
-    s = dllm.stream(model, tokenizer, PROMPTS[0], gen_length=24, block_length=24, window_size=4,
+    s = dllm.stream(model, tokenizer, PROMPTS[0], gen_length=24, window_size=4,
                     entropy_threshold=4.1)
     pieces = list(s)
-    got = dllm.generate(model, tokenizer, [PROMPTS[0]], gen_length=24, block_length=24, window_size=4,
+    got = dllm.generate(model, tokenizer, [PROMPTS[0]], gen_length=24, window_size=4,
                         entropy_threshold=4.1)
     assert "".join(pieces) == got.texts[0] and s.generation.stats.nfe == got.stats.nfe
     assert len(pieces) > 2  # not one block: a piece per step that commits

@@ -279,11 +279,21 @@ def settle(model: DiffusionLM, sampler: str | Sampler | None = None, cache: str 
     sources["cache"] = "caller" if cache is not None else "dllm default for this model"
     sampler, cache = split_params(sampler, default_cache(model) if cache is None else cache, params, sampler_args,
                                   cache_args)
-    lengths, length_sources = _lengths(model, gen_length, block_length, steps)
-    if sampler.slides:  # no schedule of steps: its window decides each step's fills
-        length_sources["steps"] = (("caller, " if steps is not None else "") + f"not used: sampler {sampler.name!r} "
-                                   f"fills masks of its window of W = {sampler.window_size} after each row's committed "
-                                   f"prefix, at least one a step, until the answer is done")
+    if sampler.slides:  # no blocks, no schedule of steps: its window decides each step's fills
+        window = (f"sampler {sampler.name!r} fills masks of its window of W = {sampler.window_size} after each "
+                  f"row's committed prefix, at least one a step, until the answer is done")
+        lengths, length_sources = _lengths(model, gen_length, None, None)
+        given = "steps" if steps is not None else None
+        if block_length not in (None, lengths["gen_length"]):  # (the whole answer: what settle says it is)
+            given = "block_length"
+        if given:
+            raise DllmError(f"{given} does not apply to sampler {sampler.name!r}, which has no blocks and no schedule "
+                            f"of steps: each step fills masks of its window of W = {sampler.window_size} slots; drop "
+                            f"{given} (the window's size is the sampler parameter window_size)")
+        lengths.update(block_length=lengths["gen_length"], steps=None)
+        length_sources.update(block_length=f"the whole answer: {window}", steps=f"not used: {window}")
+    else:
+        lengths, length_sources = _lengths(model, gen_length, block_length, steps)
     guidance = Guidance(cfg_scale, logits_eos_inf, confidence_eos_eot_inf)
     for name, value in guidance.config().items():
         sources[name] = "caller" if value else "off by default, as in LLaDA's generate.py"
