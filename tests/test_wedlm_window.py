@@ -253,3 +253,18 @@ def test_block_wise_decoding_is_exact_with_the_frontier_and_block_caches(model, 
     assert runs["frontier"].token_ids == runs["block"].token_ids == runs["none"].token_ids
     rows = {cache: sum(run.stats.rows_per_layer) for cache, run in runs.items()}
     assert rows["frontier"] < rows["none"] and rows["block"] < rows["none"]
+
+
+def test_the_answer_canvas_and_the_trace_end_at_max_tokens_not_the_window_slack(model, tokenizer, tmp_path):
+    """The window runs W - 1 slots past max_tokens (its slack); the answer canvas, the trace's answer span and so
+    the decoding-order plot's positions end at max_tokens."""
+    from dllm.engine.trace import read_trace, trace_lines
+
+    got = dllm.generate(model, tokenizer, PROMPTS, gen_length=24, window_size=8, chat=False, trace=True)
+    assert [len(c) for c in got.canvas_ids] == [24] * len(PROMPTS)
+    assert [end - start for start, end in got.answer_spans] == [24] * len(PROMPTS)
+    (tmp_path / "t.jsonl").write_text(trace_lines(got, model.config.mask_id))
+    orders = read_trace(tmp_path / "t.jsonl")
+    assert [order.length for order in orders] == [24] * len(PROMPTS)
+    assert [set(order.committed) >= set(range(len(ids))) for order, ids in zip(orders, got.token_ids)] == [
+        True] * len(PROMPTS)  # (every answer token was committed at some step)

@@ -112,13 +112,19 @@ def generate(model: DiffusionLM, tokenizer, prompts, sampler: str | Sampler | No
                     prefix_cache=prefix_cache, guidance=settings.guidance)
     canvas, stats = batch.canvas, batch.finish()
     cfg = model.config
-    spans = list(zip(canvas.gen_start.tolist(), canvas.gen_end.tolist()))
+    spans = answer_spans(batch)
     canvases = [row[a:b] for row, (a, b) in zip(canvas.tokens.tolist(), spans)]
     token_ids = [row[:next((i for i, t in enumerate(row) if t in cfg.stop_ids), len(row))] for row in canvases]
     return Generation([answer_text(tokenizer, ids) for ids in token_ids], token_ids, canvas.tokens, stats,
                       settings.sampler.config(), settings.cache.config(), batch.trace,
                       None if logprobs is None else [batch.logprobs(row) for row in batch.rows], settings.explain(),
                       canvases, spans)
+
+
+def answer_spans(batch: Batch) -> list[tuple[int, int]]:
+    """Each row's answer on the canvas, `[start, end)` (a window's slack past max_tokens left out)."""
+    return [(start, start + batch.layout.answer_length(row))
+            for start, row in zip(batch.canvas.gen_start.tolist(), batch.rows)]
 
 
 class Stream:
@@ -141,7 +147,7 @@ class Stream:
                 text = new
         if self.generation is None:
             canvas = batch.canvas
-            spans = list(zip(canvas.gen_start.tolist(), canvas.gen_end.tolist()))
+            spans = answer_spans(batch)
             self.generation = Generation([text], [ids], canvas.tokens, batch.finish(), batch.sampler.config(),
                                          batch.cache.config(), batch.trace,
                                          None if self.row.logprobs is None else [batch.logprobs(self.row)],

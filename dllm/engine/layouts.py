@@ -69,6 +69,10 @@ class Layout:
         """A new row's answer: where its first block starts, its answer positions and the most it may grow to."""
         raise NotImplementedError
 
+    def answer_length(self, row: Row) -> int:
+        """The positions of `row`'s answer canvas that are answer (the canvas may run past them)."""
+        return row.gen_length
+
     def window(self, batch) -> tuple[int, int]:
         """The columns `[start, end)` of the next block (every row's current block sits at the same columns)."""
         return batch.start, min(batch.start + batch.block_length, batch.canvas.tokens.shape[1])
@@ -244,6 +248,9 @@ class SlidingWindow(Layout):
         slots = gen_length + int(sampler.window_size) - 1
         Canvas.check(batch.model, [prompt], slots)
         return len(prompt), slots, None
+
+    def answer_length(self, row: Row) -> int:
+        return row.gen_length - int(row.sampler.window_size) + 1  # max_tokens: the window's W - 1 slack is not
 
     def window(self, batch) -> tuple[int, int]:
         canvas = batch.canvas
