@@ -344,6 +344,8 @@ def test_openapi_is_the_contract(server):
         assert "elastic" not in wino["properties"]["cache"]["anyOf"][0]["enum"]  # (its extra rows)
         assert "threshold" in wino["properties"] and "threshold" not in default["properties"]
         assert branches["sampler klass"]["properties"]["top_p"]["anyOf"][0]["maximum"] == 1.0
+        assert props["causal_first"]["enum"] == [False]  # (a switch's values that decode this model: not causal)
+        assert "sampler pc_sampler" in branches  # (tiny-llada ships its token frequencies)
         assert "sampler daedal" not in branches and {t.split()[1] for t in branches} <= set(SAMPLERS.classes)
         answers = operation["responses"]
         assert set(answers["200"]["content"]) == {"application/json", "text/event-stream"}

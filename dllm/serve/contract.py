@@ -77,7 +77,7 @@ def float_schema(bounds: dict) -> dict:
     return parts[0] if len(parts) == 1 else {"anyOf": parts}
 
 
-def served(model, default_cache: str, compile: bool) -> dict[str, list[str]]:
+def served(model, tokenizer, default_cache: str, compile: bool) -> dict[str, list[str]]:
     """Each sampler that decodes this model, with the caches it decodes with (at their defaults)."""
     caches = {name: CACHES.create(name) for name in CACHES.classes}
     out = {}
@@ -86,6 +86,7 @@ def served(model, default_cache: str, compile: bool) -> dict[str, list[str]]:
             continue
         try:
             sampler = SAMPLERS.create(name)
+            sampler.prepare(tokenizer)  # (what it reads beside the model, e.g. PC-Sampler's token frequencies)
         except DllmError:
             continue
         works = []
@@ -98,6 +99,26 @@ def served(model, default_cache: str, compile: bool) -> dict[str, list[str]]:
         if default_cache in works:
             out[name] = works
     return out
+
+
+def decoding_values(model, sampler: str, name: str, schema: dict, cache: str, compile: bool) -> dict:
+    """A sampler parameter's `schema` with, for a switch or a choice, only the values that decode this model (e.g.
+    `causal_first` on a causal model)."""
+    plain = schema.get("anyOf", [schema])[0]
+    values = [False, True] if plain.get("type") == "boolean" else plain.get("enum")
+    if not values:
+        return schema
+    works = []
+    for value in values:
+        try:
+            check_policies(model, SAMPLERS.create(sampler, **{name: value}), CACHES.create(cache), compile)
+            works.append(value)
+        except DllmError:
+            pass
+    if works == values:
+        return schema
+    narrowed = {**plain, "enum": works}
+    return {"anyOf": [narrowed, {"type": "null"}]} if "anyOf" in schema else narrowed
 
 
 def _text(tokenizer, room: int) -> dict:
@@ -192,7 +213,7 @@ def tighten(body: dict, reader, chat: bool, components: dict) -> None:
     model, d = reader.model, reader.defaults
     context = model.config.max_length
     room = prompt_room(reader)
-    offered = served(model, d["cache"], reader.compile)
+    offered = served(model, reader.tokenizer, d["cache"], reader.compile)
     props = body["properties"]
     longest = context - shortest_prompt(reader, chat)
     blocks, length_ties = length_rules(reader, longest)
@@ -234,13 +255,16 @@ def tighten(body: dict, reader, chat: bool, components: dict) -> None:
     branches = []
     for name, caches in offered.items():
         cls = SAMPLERS.get(name)
-        own = {p: param_schema(cls, p) for p in cls.param_names() if p not in SERVER_ONLY}
+        own = {p: decoding_values(model, name, p, param_schema(cls, p), d["cache"], reader.compile)
+               for p in cls.param_names() if p not in SERVER_ONLY}
         branch = {**props, **{p: own[p] for p in own if p in by_name or p in NEUTRAL}}
         branch.update({p: _nullable({"enum": [neutral]}) for p, neutral in NEUTRAL.items() if p not in own})
         branch["sampler"] = {"enum": [name, None]} if name == d["sampler"] else {"const": name}
         branch["sampler_args"] = _nullable({"type": "object", "properties": own, "additionalProperties": False})
         branch["cache"] = _nullable({"type": "string", "enum": caches})
         branch["cache_args"] = cache_args
+        if cls.slides:  # (its window has no blocks and no steps: `settle` refuses them)
+            branch.update(block_length={"type": "null"}, steps={"type": "null"})
         required = body.get("required", []) + ([] if name == d["sampler"] else ["sampler"])
         branches.append({"type": "object", "title": f"sampler {name}", "properties": branch, "required": required,
                          "additionalProperties": False})
