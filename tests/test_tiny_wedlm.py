@@ -34,6 +34,7 @@ def test_streaming_and_autoregressive_decoding_solve_held_out_items(shipped):
     window = dllm.generate(model, tok, prompts, gen_length=64)
     ar = dllm.generate(model, tok, prompts, gen_length=64, window_size=1)
     assert (window.sampler["name"], window.cache["name"]) == ("wedlm", "frontier")
+    assert window.sampler["entropy_threshold"] == 0.1  # (its generation_config.json: wedlm_entropy_threshold)
     for run in (window, ar):
         right = solved(run.texts)
         assert sum(right.values()) >= 0.9 * len(HELD_OUT) and min(right.values()) >= 6, right
@@ -45,7 +46,8 @@ def test_streaming_and_autoregressive_decoding_solve_held_out_items(shipped):
 def test_the_trained_window_equals_the_authors_loop(window, tau, lam):
     """In float64 (float32's reordered and ranked forwards differ in the last bits, which can flip `< tau`), one
     item of every family: the engine's answer (its stop kept; ours ends before it), its forwards less one."""
-    model, tok = dllm.load("tiny-wedlm", dtype=torch.float64)
+    model, tok = dllm.load("tiny-wedlm")
+    model = model.double()
     stops = model.config.stop_ids
     for ex in HELD_OUT[::10]:
         prompt = encode_prompts(tok, [ex.prompt], chat=True)[0]

@@ -14,6 +14,10 @@ END_OF_TURN = "<|im_end|>"
 TOKENIZER_STYLE = "dream"  # the Qwen chat format
 AUTHORS_DECODING = ("Tencent/WeDLM's engine (wedlm/engine): streaming parallel decoding in a window of 16, entropy "
                     "threshold 0.4, position penalty 0.02")
+# the engine's parameters (`Config.wedlm_window_size`, `SamplingParams.wedlm_*`) under their names, where a checkpoint's
+# generation_config.json sets them -> the sampler wedlm's
+SAMPLER_KEYS = {"wedlm_window_size": "window_size", "wedlm_entropy_threshold": "entropy_threshold",
+                "wedlm_pos_penalty_factor": "pos_penalty"}
 MASK_ID = 151665  # the engine's and trainer's id when config.json names none (spec `wedlm.md` 1.1, open question 1)
 
 WEIGHT_NAMES = {  # Qwen2's names with the q/k/v biases (WeDLM-7B) and Qwen3's q/k norms (WeDLM-8B); a checkpoint
