@@ -103,7 +103,7 @@ def served(model, tokenizer, default_cache: str, compile: bool) -> dict[str, lis
 
 def decoding_values(model, sampler: str, name: str, schema: dict, cache: str, compile: bool) -> dict:
     """A sampler parameter's `schema` with, for a switch or a choice, only the values that decode this model (e.g.
-    `causal_first` on a causal model)."""
+    `causal_first`, which only a Nemotron-Diffusion model takes)."""
     plain = schema.get("anyOf", [schema])[0]
     values = [False, True] if plain.get("type") == "boolean" else plain.get("enum")
     if not values:
