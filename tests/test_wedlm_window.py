@@ -268,3 +268,20 @@ def test_the_answer_canvas_and_the_trace_end_at_max_tokens_not_the_window_slack(
     assert [order.length for order in orders] == [24] * len(PROMPTS)
     assert [set(order.committed) >= set(range(len(ids))) for order, ids in zip(orders, got.token_ids)] == [
         True] * len(PROMPTS)  # (every answer token was committed at some step)
+
+
+def test_eval_runs_the_window_without_blocks_or_steps(tmp_path, capsys):
+    """A task with its own answer length (ParallelBench's, which sets blocks and steps to it on other samplers) and
+    the CLI's settled lengths decode a WeDLM in its window: no block_length or steps reach it."""
+    from pathlib import Path
+
+    from dllm.eval.harness import evaluate
+
+    model, tok = dllm.load("random:wedlm-tiny")
+    fixture = Path(__file__).parent / "data" / "parallelbench"
+    evaluate(model, tok, "parallelbench/waiting_line/copy", data=fixture, limit=1, output=tmp_path / "pb")
+    config = json.loads((tmp_path / "pb" / "summary.json").read_text())["config"]
+    assert (config["sampler"]["name"], config["steps"]) == ("wedlm", None)
+    assert config["block_length"] == config["gen_length"]
+    assert main(["eval", "--task", "synthetic", "--model", "random:wedlm-tiny", "--limit", "2", "--gen-length", "8",
+                 "--output", str(tmp_path / "cli")]) == 0
