@@ -446,7 +446,7 @@ def start_from(model, checkpoint: str) -> None:
     new operations on them in far fewer steps than one from random weights."""
     import dllm
 
-    trained, _ = dllm.load(checkpoint)
+    trained, _ = dllm.load(checkpoint, threads=torch.get_num_threads())  # keeps --threads
     if trained.config != model.config:
         diff = sorted(k for k, v in vars(model.config).items() if getattr(trained.config, k, None) != v)
         raise ValueError(f"--init {checkpoint} is another model (config differs in {', '.join(diff[:3])}); "
