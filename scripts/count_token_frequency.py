@@ -3,6 +3,8 @@ in a reference corpus tokenized with the model's tokenizer (no special tokens), 
 token_frequency.json, {"total": N, "counts": {"token id": count}, "corpus": "..."}. Deterministic.
 
     python scripts/count_token_frequency.py tiny-llada tiny-dream          # the shipped tables
+    python scripts/count_token_frequency.py tiny-llada-lists --families \
+        copy_list,reverse_list,sort_list,shuffle,replace_random,replace_index,insert_random,remove_random
     python scripts/count_token_frequency.py /path/to/LLaDA-8B-Instruct --corpus corpus.jsonl --fields text
 
 Default corpus: the shipped tiny models' training data, the synthetic suite's training split as
@@ -24,12 +26,14 @@ from dllm.models.loading import SHIPPED_DIR, read_config, shipped_models
 from dllm.samplers.pc_sampler import FREQUENCY_FILE
 
 
-def corpus_texts(corpus: Path | None, fields: list[str], per_family: int) -> tuple[list[str], str]:
+def corpus_texts(corpus: Path | None, fields: list[str], per_family: int, families: list[str] | None = None
+                 ) -> tuple[list[str], str]:
     """The texts to count and a line that says what they are."""
     if corpus is None:
-        examples = make_split("train", per_family)
+        examples = make_split("train", per_family, **({"families": families} if families else {}))
+        named = f", families={families}" if families else ""
         return ([text for ex in examples for text in (ex.prompt, ex.answer)],
-                f"eval/synthetic.py make_split('train', {per_family}): every example's prompt and answer")
+                f"eval/synthetic.py make_split('train', {per_family}{named}): every example's prompt and answer")
     texts = []
     with corpus.open(encoding="utf-8") as f:
         for line in f:
@@ -50,8 +54,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--corpus", type=Path, default=None, help="JSONL corpus (default: the synthetic training split)")
     ap.add_argument("--fields", default="text", help="comma-separated string fields of a JSONL corpus")
     ap.add_argument("--per-family", type=int, default=40000, help="synthetic examples per family")
+    ap.add_argument("--families", default=None,
+                    help="comma-separated synthetic families (default: the suite's; tiny-llada-lists: its list ones)")
     args = ap.parse_args(argv)
-    texts, described = corpus_texts(args.corpus, args.fields.split(","), args.per_family)
+    texts, described = corpus_texts(args.corpus, args.fields.split(","), args.per_family,
+                                    args.families.split(",") if args.families else None)
     for model in args.models:
         path = SHIPPED_DIR / model if model in shipped_models() else Path(model)
         counts = count(load_tokenizer(path, read_config(path)[1]), texts)
