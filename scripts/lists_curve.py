@@ -191,7 +191,8 @@ def main() -> None:
     except DllmError as e:
         sys.exit(f"error: {e}")
     print(table(rows))
-    if args.plot and not plot(rows, args.plot, f"{args.model}: synthetic_lists, {args.limit} items, gen {GEN}"):
+    title = f"{Path(args.model).name}: synthetic_lists, {args.limit} items, gen {GEN}"
+    if args.plot and not plot(rows, args.plot, title):
         print("(plot not drawn: matplotlib is missing; pip install 'dllm-fast[plot]')")
 
 
