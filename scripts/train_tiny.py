@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, load_model, save_file, save_model
 from tqdm import tqdm
 
+import dllm
 from dllm import cache as caches
 from dllm import samplers as samplers_mod
 from dllm.engine import decode, generate
@@ -444,8 +445,6 @@ def save_state(state_dir: Path, model, optimizer, step: int) -> None:
 def start_from(model, checkpoint: str) -> None:
     """Copy a trained checkpoint's weights into `model` (`--init`): a model that already copies characters learns
     new operations on them in far fewer steps than one from random weights."""
-    import dllm
-
     trained, _ = dllm.load(checkpoint, threads=torch.get_num_threads())  # keeps --threads
     if trained.config != model.config:
         diff = sorted(k for k, v in vars(model.config).items() if getattr(trained.config, k, None) != v)

@@ -64,6 +64,16 @@ def test_a_state_of_another_model_is_refused(tmp_path):
                          "--steps", "1", *TINY, "--d", "32"])
 
 
+def test_init_starts_from_a_trained_checkpoint_of_the_same_model(tmp_path):
+    """`--init DIR`: the run starts from DIR's weights (at learning rate 0 it saves them unchanged); a checkpoint of
+    another size is refused in one line."""
+    small = train(tmp_path, "small", 1)
+    again = train(tmp_path, "again", 1, "--init", str(tmp_path / "small"), "--lr", "0")
+    assert small.keys() == again.keys() and all(torch.equal(again[k], small[k]) for k in small)
+    with pytest.raises(ValueError, match=r"--init .*small is another model \(config differs in .*drop --init"):
+        train(tmp_path, "wide", 1, "--init", str(tmp_path / "small"), "--d", "32")
+
+
 def test_the_seed_leaves_the_training_split_alone(tmp_path, monkeypatch):
     """`--seed` changes initialisation and batch order only: every seed trains on split 0, whose test prompts
     `dllm eval` holds out (a seed-1 split would only hold out seed-1 test prompts)."""
