@@ -30,7 +30,7 @@ def corpus_texts(corpus: Path | None, fields: list[str], per_family: int, famili
                  ) -> tuple[list[str], str]:
     """The texts to count and a line that says what they are."""
     if corpus is None:
-        examples = make_split("train", per_family, **({"families": families} if families else {}))
+        examples = make_split("train", per_family, families=families)
         named = f", families={families}" if families else ""
         return ([text for ex in examples for text in (ex.prompt, ex.answer)],
                 f"eval/synthetic.py make_split('train', {per_family}{named}): every example's prompt and answer")

@@ -1,5 +1,5 @@
 """The shipped tiny-llada-lists (issue #55): trained on the list families of `synthetic_lists`, it answers the
-deterministic ones one token per step, and a perfect model's closed form bounds its shuffle at every parallelism
+deterministic ones one token per step, and a perfect model's closed form bounds its shuffle decoded in one step
 (RESULTS.md, "tiny-llada-lists")."""
 import math
 
@@ -7,7 +7,7 @@ import pytest
 
 import dllm
 from dllm.eval.parallel_limits import shuffle_accuracy, top_k_schedule
-from dllm.eval.synthetic import extract_answer, list_answer_ok, make_split
+from dllm.eval.synthetic import make_split, score
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +16,7 @@ def lists_model():
 
 
 def right(texts, examples) -> int:
-    return sum(bool(a := extract_answer(t)) and list_answer_ok(ex.prompt, a) for t, ex in zip(texts, examples))
+    return sum(score(ex, text) for text, ex in zip(texts, examples))
 
 
 def test_copy_and_reverse_are_answered_one_token_per_step(lists_model):
