@@ -1,16 +1,19 @@
 """Where a `dllm serve --replicas N` spends its CPU: starts it (its own session, so that every process of it, Ray's
 included, is found), sends a chat load, and prints the requests per second and, per process, its threads and the CPU
 seconds it spent under the load (the engine processes, the replicas' HTTP sides, Ray's proxy and the rest), and the
-engines' OMP_NUM_THREADS. Extra flags go to `dllm serve`.
+engines' OMP_NUM_THREADS. Extra flags go to `dllm serve`. Given several replica counts and `--rounds R`, it runs
+them in turn R times (so that a shared machine's changing speed hits each alike) and prints the medians and the
+ratio of the last count to the first, per round and of the medians; `--requests N` (default 64) from 16 clients.
 
     python scripts/replicas_probe.py 1 --cache dual
-    python scripts/replicas_probe.py 2 --cache dual
+    python scripts/replicas_probe.py 1 2 --rounds 5 --requests 256 --cache dual
 """
 from __future__ import annotations
 
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -47,8 +50,8 @@ def snapshot(session: int) -> dict[int, tuple[str, int, float]]:
     return out
 
 
-def main() -> None:
-    replicas, flags = sys.argv[1], sys.argv[2:]
+def probe(replicas: str, requests: int, flags: list[str]) -> float:
+    """One run: start `dllm serve --replicas N`, load it, print what it spent; returns its requests per second."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -64,7 +67,7 @@ def main() -> None:
             except OSError:
                 assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
                 time.sleep(1)
-        bodies = [{"messages": [{"role": "user", "content": f"copy: abc{i:03d}"}]} for i in range(64)]
+        bodies = [{"messages": [{"role": "user", "content": f"copy: abc{i:03d}"}]} for i in range(requests)]
         load(url + "/v1/chat/completions", bodies[:4], 4)  # warm-up
         before, began = snapshot(proc.pid), time.monotonic()
         answers = load(url + "/v1/chat/completions", bodies, 16)
@@ -78,12 +81,38 @@ def main() -> None:
         for process in session_processes(proc.pid):
             if "engine_process" in " ".join(process.cmdline()):
                 print(f"  engine {process.pid}: OMP_NUM_THREADS={process.environ().get('OMP_NUM_THREADS')}")
+        return len(bodies) / wall
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    counts = []
+    while args and args[0].isdigit():
+        counts.append(args.pop(0))
+    options = {"--requests": 64, "--rounds": 1}
+    for name in options:
+        if name in args:
+            at = args.index(name)
+            options[name] = int(args[at + 1])
+            del args[at:at + 2]
+    rates: dict[str, list[float]] = {n: [] for n in counts}
+    for _ in range(options["--rounds"]):
+        for n in counts:
+            rates[n].append(probe(n, options["--requests"], args))
+    if options["--rounds"] > 1 or len(counts) > 1:
+        medians = {n: statistics.median(r) for n, r in rates.items()}
+        print("medians: " + ", ".join(f"--replicas {n} {m:.2f} requests/s ({len(rates[n])} runs)"
+                                       for n, m in medians.items()))
+        if len(counts) > 1:
+            ratios = [a / b for a, b in zip(rates[counts[-1]], rates[counts[0]])]
+            print(f"--replicas {counts[-1]} against {counts[0]}: {medians[counts[-1]] / medians[counts[0]]:.2f}x of "
+                  f"the medians; per round " + ", ".join(f"{r:.2f}x" for r in ratios))
 
 
 if __name__ == "__main__":

@@ -195,6 +195,64 @@ def test_an_aborted_request_stops_at_the_next_step_and_is_answered_no_more(tiny)
     engine.abort([long[0].id, "unknown"])  # idempotent, unknown ids ignored
 
 
+def test_after_every_row_ended_the_next_block_waits_for_the_clients_coming_back(tiny):
+    """Two answers end at a block while one request waits: the next block holds for the two clients' next requests
+    (arriving during `wait`) and takes all three as one batch, instead of starting with one row and keeping the
+    two a whole block. A hold that nobody ends lasts a quarter of the ended block. Rows still decoding never wait,
+    nor does a block whose free slots the waiting requests fill. Every answer is as alone."""
+    model, tok = tiny
+    reader, engine = RequestReader(model, tok, "tiny-llada", DEFAULTS), Engine(model, tok, max_batch=4)
+    jobs = {p: reader.job(chat(p), chat=True) for p in ("copy: ab12", "copy: cd34", "copy: ef56", "copy: gh78",
+                                                        "copy: ij90")}
+    waits = []
+
+    def come_back(seconds):
+        waits.append(seconds)
+        for prompt in ("copy: ef56", "copy: gh78"):
+            engine.add(jobs[prompt].message())
+
+    engine.wait = come_back
+    for prompt in ("copy: ab12", "copy: cd34"):
+        engine.add(jobs[prompt].message())
+    busy = engine.busy_seconds
+    engine.step()
+    block = engine.busy_seconds - busy
+    assert {reason for _, reason in answers(engine.take()).values()} == {"stop"} and engine.returning == 2
+    assert engine.hold_seconds == pytest.approx(0.25 * block, rel=0.05)
+    engine.add(jobs["copy: ij90"].message())  # arrived while the block decoded
+    engine.step()
+    assert len(waits) == 1 and waits[0] <= engine.hold_seconds
+    assert [len(group.tasks) for group in engine.groups] == [3]  # the returning two joined the waiting one
+    got = answers(engine.take())
+    for prompt in ("copy: ij90", "copy: ef56", "copy: gh78"):
+        assert got[jobs[prompt].id] == (dllm.generate(model, tok, prompt).token_ids[0], "stop")
+
+    # nobody comes back: the block waits hold_seconds, then there is nothing to decode
+    engine.wait = lambda seconds: (waits.append(seconds), time.sleep(seconds))
+    began = time.perf_counter()
+    engine.step()
+    assert len(waits) > 1 and time.perf_counter() - began >= engine.hold_seconds and not engine.groups
+
+    # a row still decoding: no hold
+    engine.wait = lambda seconds: pytest.fail("a hold while a row decodes")
+    engine.add(reader.job(chat("copy: klmn", gen_length=128, ignore_eos=True), chat=True).message())
+    engine.add(reader.job(chat("copy: mnop"), chat=True).message())  # (another batch: it may stop early)
+    engine.step()
+    engine.step()
+    assert engine.returning == 1 and [len(group.tasks) for group in engine.groups] == [1, 1]
+    engine.add(reader.job(chat("copy: opqr"), chat=True).message())
+    engine.step()
+    assert sorted(len(group.tasks) for group in engine.groups) == [1, 1]
+
+    # the waiting requests fill the free slots: no hold
+    engine = Engine(model, tok, max_batch=4)
+    engine.wait, engine.returning, engine.hold_seconds = lambda seconds: pytest.fail("a hold"), 2, 60.0
+    for prompt in ("copy: aaaa", "copy: bbbb", "copy: cccc", "copy: dddd"):
+        engine.add(reader.job(chat(prompt), chat=True).message())
+    engine.step()
+    assert [len(group.tasks) for group in engine.groups] == [4]
+
+
 BAD = [
     ({"prompt": "copy: ab", "sampler": "thresh"}, "unknown sampler 'thresh'; did you mean 'threshold'?"),
     ({"prompt": "copy: ab", "sampler": "prophet", "answer_start": 40, "gen_length": 32},

@@ -137,7 +137,7 @@ def _run(engine: Engine, pull, push, parent: int | None) -> str:
         if deadline and time.monotonic() >= deadline[0] and engine.tasks:
             engine.end_all(503, "the server shut down before the answer was complete")
 
-    engine.poll = between_steps
+    engine.poll, engine.wait = between_steps, receive
     while True:
         receive(0 if engine.busy or deadline else IDLE_SECONDS)
         if parent is not None and os.getppid() != parent:

@@ -92,11 +92,22 @@ def _error(add: Add, error: Exception) -> Delta:
     return Delta(add.req_id, status=500, message=message)
 
 
+HOLD_SHARE = 0.25  # the longest wait for returning clients before a block, as a share of the block that ended
+
+
 class Engine:
     """The decode loop's driver. Between blocks it admits waiting tasks, oldest first, into a batch of their key (a
     new one where none can take them), up to `max_batch` rows in all; then the next batch in turn runs a block, so
     no kind of request waits behind another unless the engine is full. After every step `poll` (the engine process's
-    inbox) may abort rows; after each block every row's newly final tokens join `outputs`."""
+    inbox) may abort rows; after each block every row's newly final tokens join `outputs`.
+
+    Rows join only between blocks. Where every row ended at a block and its answer went out, the clients' next
+    requests are on their way back; a block started at once would decode a part batch and keep them waiting a whole
+    block, and with as many clients as `max_batch` the batch would split for good into two halves taking blocks in
+    turn, each step computing half the rows for more than half a full step's cost. So then the next block waits
+    (`wait`: the engine process's inbox) until those clients are back or a quarter of the ended block's time has
+    passed (`HOLD_SHARE`); rows still decoding never wait, nor does a block whose free slots the waiting requests
+    fill."""
 
     def __init__(self, model, tokenizer, max_batch: int = 8, compile: bool = False, prefix_cache_mb: float = 0):
         check_int("max_batch", max_batch, 1)
@@ -111,6 +122,8 @@ class Engine:
         self.outputs: list[Delta] = []
         self.step_events: list[StepEvent] = []  # since the last `take_steps`
         self.poll: Callable[[], None] = lambda: None  # called after every step
+        self.wait: Callable[[float], None] | None = None  # reads the inbox for at most so many seconds (None: no hold)
+        self.returning, self.hold_seconds = 0, 0.0  # answers the last block ended; the longest wait for their clients
         self.closing = False  # shutting down: new requests are refused
         self.forwards = self.committed = self.rows_computed = self.steps = 0
         self.rows_per_step = [0] * (max_batch + 1)  # steps run, by the rows of their batch
@@ -207,6 +220,9 @@ class Engine:
         for group in list(self.groups):
             self._retire(group)
         free = self.max_batch - sum(len(group.tasks) for group in self.groups)
+        if self.wait is not None and self.returning and not self.groups:
+            self._hold(min(len(self.waiting) + self.returning, free))
+        self.returning = 0
         while self.waiting and free > 0:
             task = self.waiting.popleft()
             if task.cancelled:
@@ -226,6 +242,12 @@ class Engine:
             group.tasks[row] = task
             task.forwards_before = group.batch.stats.nfe
             free -= 1
+
+    def _hold(self, expected: int) -> None:
+        """Read the inbox until `expected` requests wait or `hold_seconds` have passed (or a shutdown began)."""
+        until = time.perf_counter() + self.hold_seconds
+        while len(self.waiting) < expected and not self.closing and (left := until - time.perf_counter()) > 0:
+            self.wait(left)
 
     def _group(self, task: Task) -> Group:
         """A new batch for `task`'s kind."""
@@ -293,6 +315,7 @@ class Engine:
             batch.run_block()  # (it waits for the device at its end)
         finally:
             self.busy_seconds += time.perf_counter() - began
+        self.hold_seconds = HOLD_SHARE * (time.perf_counter() - began)
         self.rows_computed += batch.rows_computed - rows
         self.forwards += batch.stats.nfe - nfe
         self.committed += batch.stats.gen_tokens - committed
@@ -316,6 +339,7 @@ class Engine:
         task.sent = len(ids)
         if done:
             self._finish(task)
+            self.returning += 1
 
     # -- numbers ----------------------------------------------------------------------------------------------
     def stats(self) -> Stats:
