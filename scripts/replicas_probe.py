@@ -10,6 +10,7 @@ ratio of the last count to the first, per round and of the medians; `--requests 
 """
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import socket
@@ -91,28 +92,25 @@ def probe(replicas: str, requests: int, flags: list[str]) -> float:
 
 
 def main() -> None:
-    args = sys.argv[1:]
-    counts = []
-    while args and args[0].isdigit():
-        counts.append(args.pop(0))
-    options = {"--requests": 64, "--rounds": 1}
-    for name in options:
-        if name in args:
-            at = args.index(name)
-            options[name] = int(args[at + 1])
-            del args[at:at + 2]
-    rates: dict[str, list[float]] = {n: [] for n in counts}
-    for _ in range(options["--rounds"]):
-        for n in counts:
-            rates[n].append(probe(n, options["--requests"], args))
-    if options["--rounds"] > 1 or len(counts) > 1:
+    parser = argparse.ArgumentParser(description="Load `dllm serve --replicas N` and show where its CPU goes; other "
+                                                 "flags go to dllm serve.")
+    parser.add_argument("replicas", nargs="+", type=int, help="replica counts, run in turn")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--requests", type=int, default=64)
+    args, flags = parser.parse_known_args()
+    rates: dict[int, list[float]] = {n: [] for n in args.replicas}
+    for _ in range(args.rounds):
+        for n in args.replicas:
+            rates[n].append(probe(str(n), args.requests, flags))
+    if args.rounds > 1 or len(rates) > 1:
         medians = {n: statistics.median(r) for n, r in rates.items()}
         print("medians: " + ", ".join(f"--replicas {n} {m:.2f} requests/s ({len(rates[n])} runs)"
                                        for n, m in medians.items()))
-        if len(counts) > 1:
-            ratios = [a / b for a, b in zip(rates[counts[-1]], rates[counts[0]])]
-            print(f"--replicas {counts[-1]} against {counts[0]}: {medians[counts[-1]] / medians[counts[0]]:.2f}x of "
-                  f"the medians; per round " + ", ".join(f"{r:.2f}x" for r in ratios))
+        first, last = args.replicas[0], args.replicas[-1]
+        if first != last:
+            ratios = [a / b for a, b in zip(rates[last], rates[first])]
+            print(f"--replicas {last} against {first}: {medians[last] / medians[first]:.2f}x of the medians; per "
+                  f"round " + ", ".join(f"{r:.2f}x" for r in ratios))
 
 
 if __name__ == "__main__":
