@@ -13,7 +13,9 @@ ratio of the last count to the first, per round and of the medians; `--requests 
 from __future__ import annotations
 
 import argparse
+import http.client
 import os
+import re
 import signal
 import socket
 import statistics
@@ -53,6 +55,48 @@ def snapshot(session: int) -> dict[int, tuple[str, int, float]]:
     return out
 
 
+ENGINE_NUMBERS = ("dllm_batch_rows_per_step_sum", "dllm_batch_rows_per_step_count", "dllm_engine_busy_seconds_total",
+                  "dllm_engine_held_seconds_total")
+
+
+def engine_numbers(session: int) -> dict[int, dict[str, float]]:
+    """Each replica's engine counters (ENGINE_NUMBERS), read from the /metrics of the HTTP server it listens on
+    itself (Ray Serve's direct ingress, behind HAProxy; none behind Ray's proxy), by the replica's pid."""
+    out = {}
+    for process in session_processes(session):
+        try:
+            if "ServeReplica" not in process.name() and "ServeReplica" not in " ".join(process.cmdline()):
+                continue
+            ports = [c.laddr.port for c in process.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+        except psutil.Error:
+            continue
+        for port in ports:
+            try:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            except (OSError, ValueError, http.client.HTTPException):  # (its gRPC port)
+                continue
+            found = dict(re.findall(r"^(dllm_\w+) (\S+)$", text, flags=re.M))
+            if "dllm_batch_rows_per_step_count" in found:
+                out[process.pid] = {name: float(found.get(name, 0)) for name in ENGINE_NUMBERS}
+                break
+    return out
+
+
+def warm_up(url: str, bodies: list[dict], session: int, replicas: int) -> None:
+    """Send `bodies` until every replica's engine has decoded some of them: HAProxy takes in a replica a moment after
+    the first one answers /ready (behind Ray's proxy, whose replicas are not reached directly, one round and 2 s)."""
+    deadline = time.monotonic() + 60
+    while True:
+        load(url + "/v1/chat/completions", bodies, len(bodies))
+        numbers = engine_numbers(session)
+        if not numbers:
+            time.sleep(2)
+            return
+        if sum(n["dllm_batch_rows_per_step_count"] > 0 for n in numbers.values()) >= replicas:
+            return
+        assert time.monotonic() < deadline, f"only {len(numbers)} of {replicas} replicas answered"
+
+
 def probe(replicas: str, requests: int, flags: list[str], latency: int = 0) -> float:
     """One run: start `dllm serve --replicas N`, time `latency` one-token completions sent one after another, load
     it, print what it spent; returns its requests per second."""
@@ -72,7 +116,7 @@ def probe(replicas: str, requests: int, flags: list[str], latency: int = 0) -> f
                 assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
                 time.sleep(1)
         bodies = [{"messages": [{"role": "user", "content": f"copy: abc{i:03d}"}]} for i in range(requests)]
-        load(url + "/v1/chat/completions", bodies[:4], 4)  # warm-up
+        warm_up(url, bodies[:4], proc.pid, int(replicas))
         if latency:
             seconds = []
             for _ in range(latency):
@@ -83,6 +127,7 @@ def probe(replicas: str, requests: int, flags: list[str], latency: int = 0) -> f
                 assert status == 200, answer
             print(f"--replicas {replicas} {' '.join(flags)}: a one-token completion (of {latency} one after another) "
                   f"took {1000 * statistics.median(seconds):.1f} ms (median)")
+        engines_before = engine_numbers(proc.pid)
         before, began = snapshot(proc.pid), time.monotonic()
         answers = load(url + "/v1/chat/completions", bodies, 16)
         wall, after = time.monotonic() - began, snapshot(proc.pid)
@@ -92,6 +137,12 @@ def probe(replicas: str, requests: int, flags: list[str], latency: int = 0) -> f
         for pid, (name, threads, cpu) in sorted(after.items(), key=lambda p: before.get(p[0], ("", 0, 0))[2] -
                                                  p[1][2]):
             print(f"  {cpu - before.get(pid, ('', 0, 0.0))[2]:6.2f} CPU s  {threads:3} threads  {name}")
+        for pid, numbers in engine_numbers(proc.pid).items():
+            grown = {k: v - engines_before.get(pid, {}).get(k, 0.0) for k, v in numbers.items()}
+            steps = grown["dllm_batch_rows_per_step_count"]
+            print(f"  replica {pid}: {steps:.0f} steps of {grown['dllm_batch_rows_per_step_sum'] / max(steps, 1):.2f} "
+                  f"rows on average, its engine busy {grown['dllm_engine_busy_seconds_total']:.2f} s of "
+                  f"{wall:.2f} s")
         for process in session_processes(proc.pid):
             if "engine_process" in " ".join(process.cmdline()):
                 print(f"  engine {process.pid}: OMP_NUM_THREADS={process.environ().get('OMP_NUM_THREADS')}")
