@@ -261,6 +261,7 @@ def test_the_local_instance_takes_haproxy_unless_the_environment_says_0(setting,
     before = set(os.listdir(local_ray_dir()))
     with pytest.raises(RuntimeError, match="Ray did not start"):
         served._start_local_ray(2, 8, 512)
+    assert all(seen[name] == value for name, value in served.QUIETER_RAY.items())
     if setting is None:
         assert seen["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
         assert seen["RAY_SERVE_HAPROXY_BINARY_PATH"].startswith(local_ray_dir() + os.sep)
