@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 
@@ -268,3 +269,32 @@ def test_the_local_instance_takes_haproxy_unless_the_environment_says_0(setting,
     else:
         assert seen["RAY_SERVE_ENABLE_HA_PROXY"] == "0" and "RAY_SERVE_HAPROXY_BINARY_PATH" not in seen
     assert set(os.listdir(local_ray_dir())) == before  # the instance's folder is gone
+
+
+def test_a_second_signal_leaves_at_once_and_still_removes_the_instance_folder(tmp_path):
+    """SIGTERM while Ray stops (`timeout` and the server both signalled, or an impatient Ctrl-C twice): the leave
+    ends at once, and the instance's folder (HAProxy's config and sockets) is removed all the same."""
+    import dllm.serve.ray as served
+
+    stopped = threading.Event()
+
+    class Slow:  # Ray and Ray Serve, slow to stop
+        def delete(self, name):
+            stopped.wait(30)
+
+        def shutdown(self):
+            pass
+
+    instance = tmp_path / "i1"
+    (instance / "node").mkdir(parents=True)
+    (instance / "node" / "haproxy.cfg").write_text("global\n")
+    before = signal.signal(signal.SIGTERM, served._stop)
+    try:
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        began = time.monotonic()
+        with pytest.raises(served._Stop):
+            served._leave(Slow(), Slow(), str(instance), within=30)
+        assert time.monotonic() - began < 10 and not instance.exists()
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        stopped.set()

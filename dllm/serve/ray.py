@@ -375,22 +375,27 @@ def _join_cluster(address: str) -> None:
 LEAVE_SECONDS = 20  # beyond the replicas' own shutdown_timeout, for Ray to stop what it started
 
 
-def _leave(ray, serve, local: bool, within: float) -> None:
+def _leave(ray, serve, instance: str | None, within: float) -> None:
     """Delete the application (each replica finishes its requests, for at most its shutdown_timeout, then stops),
-    stop our own Ray instance, leave a cluster; for at most `within` seconds. A signal sent to the whole process
-    group (`timeout`, a service manager) also reaches Ray's own processes, and a dead GCS would keep Ray's calls
-    waiting a minute each: then the process leaves without them."""
+    stop our own Ray instance and remove its folder (`instance`; None: leave a cluster); for at most `within`
+    seconds. A signal sent to the whole process group (`timeout`, a service manager) also reaches Ray's own
+    processes, and a dead GCS would keep Ray's calls waiting a minute each: then the process leaves without them.
+    A second signal stops at once; the folder goes all the same."""
     def stop():
         try:
             serve.delete(APP_NAME)
-            if local:
+            if instance is not None:
                 serve.shutdown()
         finally:
             ray.shutdown()
 
     leaving = threading.Thread(target=stop, name="ray-leave", daemon=True)
     leaving.start()
-    leaving.join(within)
+    try:
+        leaving.join(within)
+    finally:
+        if instance is not None:
+            shutil.rmtree(instance, ignore_errors=True)
     if leaving.is_alive():
         print(f"note: Ray did not stop within {within:.0f} s (its own processes were stopped too); leaving without "
               f"it", file=sys.stderr, flush=True)
@@ -438,7 +443,5 @@ def serve_replicas(options: dict[str, Any], address: str | None, host: str, port
     except RuntimeError:
         raise DllmError(f"the replicas did not start: {_replica_error(serve)}") from None
     finally:
-        _leave(ray, serve, address is None, options.shutdown_timeout + LEAVE_SECONDS)
-        if address is None:
-            shutil.rmtree(instance, ignore_errors=True)
+        _leave(ray, serve, instance if address is None else None, options.shutdown_timeout + LEAVE_SECONDS)
     return 0
