@@ -2,6 +2,7 @@
 a cluster that cannot be reached or does not answer is one error line in bounded time, and what a replica would
 refuse is refused before Ray starts."""
 import ipaddress
+import json
 import os
 import pathlib
 import signal
@@ -12,7 +13,9 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
@@ -72,25 +75,29 @@ def loopback(ip: str) -> bool:
     return address.is_loopback or getattr(address, "ipv4_mapped", None) is not None and address.ipv4_mapped.is_loopback
 
 
+def start_server(flags: list[str]) -> tuple[subprocess.Popen, int]:
+    """`dllm serve FLAGS` in a session of its own (Ray's processes are found by it), once it answers /health."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "dllm.cli", "serve", *flags, "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + WAIT
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else ""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                if r.status == 200:
+                    return proc, port
+        except OSError:
+            time.sleep(1)
+
+
 def test_a_local_ray_instance_listens_on_loopback_only():
     """Every listening socket of every process `dllm serve --replicas 2 --host 127.0.0.1` starts (Ray's GCS, raylet,
     agents, Serve's controller, its HAProxy ingress and the replicas' own HTTP servers, the driver) is on loopback;
     HAProxy answers on the port, as a lone `dllm generate` would, with the config we rewrote (a replica takes a batch
     of decoding requests at most), and the server leaves on SIGTERM with exit 0, HAProxy and its folder with it."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "dllm.cli", "serve", "--replicas", "2", "--host", "127.0.0.1",
-                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # its own session: Ray's processes are found by it
+    proc, port = start_server(["--replicas", "2", "--host", "127.0.0.1"])
     try:
-        deadline = time.monotonic() + WAIT
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else ""
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(1)
         folder = local_ray_dir()  # Ray's folders (sessions, logs, the raylet's and object store's sockets) are in
         # a folder private to the user, not in the shared /tmp/ray that Ray opens to every local user
         assert stat.S_IMODE(os.lstat(folder).st_mode) == 0o700 and os.lstat(folder).st_uid == os.getuid()
@@ -298,3 +305,32 @@ def test_a_second_signal_leaves_at_once_and_still_removes_the_instance_folder(tm
     finally:
         signal.signal(signal.SIGTERM, before)
         stopped.set()
+
+
+def test_a_lone_replica_behind_haproxy_refuses_past_max_waiting():
+    """`--replicas 1 --max-batch 1 --max-waiting 1`: of four long requests at once, one decodes, one waits and the
+    others get the engine's 429 with Retry-After. HAProxy hands the replica's own HTTP server every request, and
+    past Ray's max_ongoing_requests (2 x max_batch) Ray queued them there without a bound: all four were answered
+    200, one after another."""
+    proc, port = start_server(["--replicas", "1", "--max-batch", "1", "--max-waiting", "1"])
+    try:
+        body = {"messages": [{"role": "user", "content": "copy: abcd"}], "gen_length": 192, "ignore_eos": True}
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
+                                         data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+
+        def send() -> tuple[int, str | None]:
+            try:
+                with urllib.request.urlopen(request, timeout=WAIT) as r:
+                    return r.status, None
+            except urllib.error.HTTPError as e:
+                return e.code, e.headers.get("Retry-After")
+
+        with ThreadPoolExecutor(4) as pool:
+            answers = sorted(pool.map(lambda _: send(), range(4)), key=lambda a: a[0])
+        assert answers == [(200, None), (200, None), (429, "1"), (429, "1")], answers
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=WAIT)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -19,15 +19,14 @@ def rewrite(text: str, rows: int | None, waiting: int) -> str:
     """Ray Serve's HAProxy config for our instance:
     - HAProxy's own listeners (its Prometheus exporter and stats page), which the config puts on every interface
       (`bind :PORT`, `bind *:PORT`), bind to loopback;
-    - where `rows` is given (several replicas), a replica gets at most `rows` decoding requests (POST) at once, its
-      engine's batch (per-server `maxconn`);
-      the others wait in HAProxy's queue, `waiting` at most (--max-waiting times the replicas; beyond: a 429 with
-      Retry-After, as one server's), and go to the first replica with a free row. Each replica queueing its own would keep
-      a request waiting there while another replica has a row free: leastconn's choice between replicas that look
-      equally busy while answers are on their way sends some clients to the full one (two replicas of 8 rows with
-      16 clients: 7.1 rows per step instead of 8, BENCHMARKS.md). Every other request (GET /health, /ready,
-      /metrics, /v1/models) goes through a twin of the backend without the limit: it never waits for a row. A lone
-      replica keeps its own queue, which refills its batch without a trip through HAProxy."""
+    - where `rows` is given (several replicas), a replica gets at most `rows` decoding requests (POSTs) at once, its
+      engine's batch (per-server `maxconn`); the others wait in HAProxy's queue, `waiting` at most (--max-waiting
+      times the replicas; beyond: a 429 with Retry-After, as one server's), and go to the first replica with a free
+      row. With a queue in each replica, a request waited there while another replica had a free row: leastconn's
+      choice between replicas that look equally busy while answers are on their way sends some clients to the full
+      one (BENCHMARKS.md, "A batch per replica"). Every other request (GET /health, /ready, /metrics, /v1/models)
+      goes through a twin of the backend without the limit: it never waits for a row. A lone replica keeps its own
+      queue, which refills its batch without a trip through HAProxy."""
     if text.startswith(MARK):
         return text
     text = re.sub(r"^(\s*bind )\*?:(\d+)(?=\s|$)", r"\g<1>127.0.0.1:\2", text, flags=re.M)

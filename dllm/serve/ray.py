@@ -417,6 +417,9 @@ def serve_replicas(options: dict[str, Any], address: str | None, host: str, port
     if address is None:
         cpus = len(os.sched_getaffinity(0))
         options.num_cpus = local_cpus(options.num_replicas, threads, cpus)
+        # HAProxy hands a replica's own HTTP server every request it gets, and past max_ongoing_requests Ray queues it
+        # there without a bound: twice what the engine holds lets those it refuses (429) and GETs reach the app
+        options.max_ongoing_requests = options.max_ongoing_requests or 2 * (options.max_batch + options.max_waiting)
         options.device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
         build_engine(options)
         instance = _start_local_ray(cpus, options.max_batch if options.num_replicas > 1 else None,
