@@ -24,6 +24,7 @@ import dllm  # noqa: E402
 from dllm.core.errors import DllmError  # noqa: E402
 from dllm.eval.synthetic import make_split  # noqa: E402
 from dllm.serve import Engine, EngineClient, EngineSpec, LocalServer, load, post  # noqa: E402
+from dllm.serve.scheduler import GATHER_SECONDS  # noqa: E402
 from dllm.serve.requests import RequestReader  # noqa: E402
 
 DEFAULTS = {"sampler": "low_confidence", "cache": "none", "sampler_args": {}, "cache_args": {}, "gen_length": None,
@@ -211,12 +212,15 @@ def test_after_every_row_ended_the_next_block_waits_for_the_clients_coming_back(
         for prompt in ("copy: ef56", "copy: gh78"):
             engine.add(jobs[prompt].message())
 
-    engine.wait = come_back
+    engine.wait = lambda seconds: waits.append(seconds)  # (the idle engine's gather hears of nobody)
     for prompt in ("copy: ab12", "copy: cd34"):
         engine.add(jobs[prompt].message())
     busy = engine.busy_seconds
     engine.step()
     block = engine.busy_seconds - busy
+    assert waits == [GATHER_SECONDS]
+    waits.clear()
+    engine.wait = come_back
     assert {reason for _, reason in answers(engine.take()).values()} == {"stop"} and engine.returning == 2
     assert engine.hold_seconds == pytest.approx(0.25 * block, rel=0.05)
     engine.add(jobs["copy: ij90"].message())  # arrived while the block decoded
@@ -234,10 +238,11 @@ def test_after_every_row_ended_the_next_block_waits_for_the_clients_coming_back(
     assert len(waits) > 1 and time.perf_counter() - began >= engine.hold_seconds and not engine.groups
 
     # a row still decoding: no hold
-    engine.wait = lambda seconds: pytest.fail("a hold while a row decodes")
     engine.add(reader.job(chat("copy: klmn", gen_length=128, ignore_eos=True), chat=True).message())
     engine.add(reader.job(chat("copy: mnop"), chat=True).message())  # (another batch: it may stop early)
+    engine.wait = lambda seconds: None  # (the idle engine's gather)
     engine.step()
+    engine.wait = lambda seconds: pytest.fail("a hold while a row decodes")
     engine.step()
     assert engine.returning == 1 and [len(group.tasks) for group in engine.groups] == [1, 1]
     engine.add(reader.job(chat("copy: opqr"), chat=True).message())
@@ -251,6 +256,42 @@ def test_after_every_row_ended_the_next_block_waits_for_the_clients_coming_back(
         engine.add(reader.job(chat(prompt), chat=True).message())
     engine.step()
     assert [len(group.tasks) for group in engine.groups] == [4]
+
+
+def test_an_idle_engine_starts_a_burst_of_requests_as_one_batch(tiny):
+    """The first request of an idle engine waits while more come, each within GATHER_SECONDS of the last: a burst
+    decodes as one batch, instead of its first request's row alone while the others wait a whole block. A lone
+    request waits GATHER_SECONDS once; a full batch does not wait."""
+    model, tok = tiny
+    reader, engine = RequestReader(model, tok, "tiny-llada", DEFAULTS), Engine(model, tok, max_batch=4)
+    burst = [reader.job(chat(f"copy: ab{i}c"), chat=True) for i in range(4)]
+    waits = []
+
+    def arrive(seconds):  # one more request of the burst per read of the inbox
+        waits.append(seconds)
+        if len(waits) < len(burst):
+            engine.add(burst[len(waits)].message())
+
+    engine.wait = arrive
+    engine.add(burst[0].message())
+    engine.step()
+    assert waits == [GATHER_SECONDS] * 3 and [len(group.tasks) for group in engine.groups] == [4]
+    got = answers(engine.take())
+    for job, i in zip(burst, range(4)):
+        assert got[job.id] == (dllm.generate(model, tok, f"copy: ab{i}c").token_ids[0], "stop")
+
+    lone, waits[:] = Engine(model, tok, max_batch=4), []
+    lone.wait = lambda seconds: waits.append(seconds)
+    lone.add(reader.job(chat("copy: abcd"), chat=True).message())
+    lone.step()
+    assert waits == [GATHER_SECONDS] and [len(group.tasks) for group in lone.groups] == [1]
+
+    full = Engine(model, tok, max_batch=4)
+    full.wait = lambda seconds: pytest.fail("a wait with every slot taken")
+    for _ in range(4):
+        full.add(reader.job(chat("copy: abcd"), chat=True).message())
+    full.step()
+    assert [len(group.tasks) for group in full.groups] == [4]
 
 
 BAD = [

@@ -93,6 +93,7 @@ def _error(add: Add, error: Exception) -> Delta:
 
 
 HOLD_SHARE = 0.25  # the longest wait for returning clients before a block, as a share of the block that ended
+GATHER_SECONDS = 0.005  # an idle engine's first requests: the longest gap between two of one burst
 
 
 class Engine:
@@ -220,8 +221,11 @@ class Engine:
         for group in list(self.groups):
             self._retire(group)
         free = self.max_batch - sum(len(group.tasks) for group in self.groups)
-        if self.wait is not None and self.returning and not self.groups:
-            self._hold(min(len(self.waiting) + self.returning, free))
+        if self.wait is not None and not self.groups:
+            if self.returning:
+                self._hold(min(len(self.waiting) + self.returning, free))
+            else:
+                self._gather(free)
         self.returning = 0
         while self.waiting and free > 0:
             task = self.waiting.popleft()
@@ -248,6 +252,16 @@ class Engine:
         until = time.perf_counter() + self.hold_seconds
         while len(self.waiting) < expected and not self.closing and (left := until - time.perf_counter()) > 0:
             self.wait(left)
+
+    def _gather(self, free: int) -> None:
+        """An idle engine's first requests: read the inbox while they keep coming, each within GATHER_SECONDS of the
+        last, until `free` wait (a burst of clients starts as one batch, not as its first request's row alone while
+        the others wait a whole block)."""
+        while 0 < len(self.waiting) < free and not self.closing:
+            waiting = len(self.waiting)
+            self.wait(GATHER_SECONDS)
+            if len(self.waiting) == waiting:
+                return
 
     def _group(self, task: Task) -> Group:
         """A new batch for `task`'s kind."""
