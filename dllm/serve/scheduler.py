@@ -108,7 +108,7 @@ class Engine:
     turn, each step computing half the rows for more than half a full step's cost. So then the next block waits
     (`wait`: the engine process's inbox) until those clients are back or a quarter of the ended block's time has
     passed (`HOLD_SHARE`); rows still decoding never wait, nor does a block whose free slots the waiting requests
-    fill."""
+    fill. Likewise an idle engine's first request waits for the rest of its burst (`_gather`)."""
 
     def __init__(self, model, tokenizer, max_batch: int = 8, compile: bool = False, prefix_cache_mb: float = 0):
         check_int("max_batch", max_batch, 1)
