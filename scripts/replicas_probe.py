@@ -55,8 +55,7 @@ def snapshot(session: int) -> dict[int, tuple[str, int, float]]:
     return out
 
 
-ENGINE_NUMBERS = ("dllm_batch_rows_per_step_sum", "dllm_batch_rows_per_step_count", "dllm_engine_busy_seconds_total",
-                  "dllm_engine_held_seconds_total")
+ENGINE_NUMBERS = ("dllm_batch_rows_per_step_sum", "dllm_batch_rows_per_step_count", "dllm_engine_busy_seconds_total")
 
 
 def engine_numbers(session: int) -> dict[int, dict[str, float]]:
@@ -92,9 +91,10 @@ def warm_up(url: str, bodies: list[dict], session: int, replicas: int) -> None:
         if not numbers:
             time.sleep(2)
             return
-        if sum(n["dllm_batch_rows_per_step_count"] > 0 for n in numbers.values()) >= replicas:
+        decoded = sum(n["dllm_batch_rows_per_step_count"] > 0 for n in numbers.values())
+        if decoded >= replicas:
             return
-        assert time.monotonic() < deadline, f"only {len(numbers)} of {replicas} replicas answered"
+        assert time.monotonic() < deadline, f"only {decoded} of {replicas} replicas decoded"
 
 
 def probe(replicas: str, requests: int, flags: list[str], latency: int = 0) -> float:

@@ -277,7 +277,7 @@ def test_an_idle_engine_starts_a_burst_of_requests_as_one_batch(tiny):
     engine.step()
     assert waits == [GATHER_SECONDS] * 3 and [len(group.tasks) for group in engine.groups] == [4]
     got = answers(engine.take())
-    for job, i in zip(burst, range(4)):
+    for i, job in enumerate(burst):
         assert got[job.id] == (dllm.generate(model, tok, f"copy: ab{i}c").token_ids[0], "stop")
 
     lone, waits[:] = Engine(model, tok, max_batch=4), []
